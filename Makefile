@@ -1,0 +1,50 @@
+# The project's entry points. `make run` and `make test` are the README's two commands.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# Debian packages: pyverbs/rdma-core (not on PyPI), and the real services the ops tests run
+APT_PKGS := python3-pyverbs rdma-core ibverbs-providers iproute2 docker-compose prometheus
+BACKEND ?= shm
+OUT := build
+
+.PHONY: deps run test test-host test-rdma bench bench-micro bench-rdma bench-moe bench-load compose-check clean
+
+$(STAMP): setup.cfg pyproject.toml
+	@missing=$$(for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then echo "apt: installing $$missing"; \
+	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $$missing; fi
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -q -e '.[test,bench]'
+	@# pyverbs comes from Debian (python3-pyverbs), not PyPI: link it into the venv
+	ln -sfn /usr/lib/python3/dist-packages/pyverbs "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/pyverbs"
+	touch $@
+
+deps: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/moe-bench transport --backend $(BACKEND) --quick
+
+test: $(STAMP)
+	@mkdir -p $(OUT)
+	$(PY) -m pytest -q -p no:cacheprovider --junitxml=$(OUT)/junit-host.xml tests
+	$(PY) -m tests.rxe.vm test --out $(OUT)/rdma -- tests/rdma -q
+	$(PY) -m tests.summary $(OUT)/junit-host.xml $(OUT)/rdma/junit.xml
+
+test-host: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-rdma: $(STAMP)
+	$(PY) -m tests.rxe.vm test --out $(OUT)/rdma -- tests/rdma -q
+
+bench: $(STAMP)
+	$(VENV)/bin/moe-bench transport --json bench-results/transport.json
+
+bench-micro: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider bench/micro --benchmark-only --benchmark-columns=min,median,mean,ops
+
+clean:
+	rm -rf $(OUT) bench-results .pytest_cache

@@ -1,0 +1,17 @@
+"""moe-transport's data plane: registered buffers over tcp://, shm:// and rdma://.
+
+    from transport import listen, connect
+    conn = connect("tcp://127.0.0.1:5555")
+    slot = conn.alloc(4096); slot.buf[:] = ...; conn.send({"op": "x"}, [slot])
+    with conn.recv(timeout=1.0) as msg: use(msg.buffers)
+"""
+from .base import Connection, ConnectionStats, Deadline, Listener, Message
+from .errors import ConnectionClosed, PoolExhausted, ProtocolError, Timeout, TransportError
+from .pool import BufferPool, Slot
+from .registry import available_backends, connect, listen, register_backend
+
+__all__ = [
+    "BufferPool", "Connection", "ConnectionClosed", "ConnectionStats", "Deadline", "Listener",
+    "Message", "PoolExhausted", "ProtocolError", "Slot", "Timeout", "TransportError",
+    "available_backends", "connect", "listen", "register_backend",
+]

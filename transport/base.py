@@ -1,0 +1,176 @@
+"""The public contract every backend implements (small ABCs, in the style of trio's _abc).
+
+Ownership is the whole protocol:
+- ``conn.alloc(n)`` hands the caller a slot of the connection's registered send pool;
+- ``conn.send(header, [slot, ...])`` transfers the slots to the transport, which returns
+  them to the pool once the peer no longer needs them (tcp: after the kernel copied them;
+  shm: when the receiver released the message; rdma: on the send completion);
+- ``conn.recv(timeout)`` returns a :class:`Message` whose ``buffers`` are memoryviews where
+  the bytes landed (the receiver's pool, or on shm the sender's slot itself), valid until
+  ``message.release()``; releasing is what returns the credit to the sender.
+
+Every blocking call takes ``timeout`` in seconds; ``None`` means the connection's
+``default_timeout`` (finite), never "forever".
+"""
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+
+from .errors import ConnectionClosed, Timeout
+from .pool import Slot
+
+DEFAULT_TIMEOUT = 30.0
+DEFAULT_SLOT_SIZE = 4 << 20
+DEFAULT_NSLOTS = 16
+
+Buffer = Union[Slot, bytes, bytearray, memoryview, np.ndarray]
+
+
+class Deadline:
+    """An absolute deadline on the monotonic clock, so a loop of waits cannot drift."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, timeout: Optional[float], default: float = DEFAULT_TIMEOUT):
+        self.at = time.monotonic() + (default if timeout is None else max(0.0, timeout))
+
+    def remaining(self) -> float:
+        return max(0.0, self.at - time.monotonic())
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def check(self, what: str) -> float:
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise Timeout(f"timed out {what}")
+        return left
+
+
+@dataclass
+class ConnectionStats:
+    """Per-connection counters (exported as Prometheus metrics by the services)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    copies: int = 0  # user-space copies: only unregistered buffers handed to send()
+    credit_stalls: int = 0  # sends that had to wait for the peer to return credits
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class Message:
+    """A received message: ``header`` (msgpack-able object) and ``buffers`` (memoryviews
+    into registered memory), valid until :meth:`release`."""
+
+    __slots__ = ("header", "buffers", "_on_release", "released")
+
+    def __init__(self, header: Any, buffers: list, on_release: Optional[Callable[[], None]] = None):
+        self.header = header
+        self.buffers = buffers
+        self._on_release = on_release
+        self.released = False
+
+    def array(self, i: int, dtype: Any, shape: Any = -1) -> np.ndarray:
+        """Buffer ``i`` as a numpy array, in place (read-only where the memory is the peer's)."""
+        return np.frombuffer(self.buffers[i], dtype=dtype).reshape(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    def release(self) -> None:
+        """Hand the buffers back; the views must not be used afterwards."""
+        if self.released:
+            return
+        self.released = True
+        for b in self.buffers:
+            b.release()
+        self.buffers = []
+        if self._on_release is not None:
+            cb, self._on_release = self._on_release, None
+            cb()
+
+    def __enter__(self) -> "Message":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<Message header={self.header!r} buffers={[b.nbytes for b in self.buffers]}>"
+
+
+class Connection(abc.ABC):
+    """One bidirectional, message-oriented, credit-controlled connection."""
+
+    url: str
+    default_timeout: float = DEFAULT_TIMEOUT
+    #: the largest payload (sum of a message's buffers) the peer accepts
+    max_message: int
+    stats: ConnectionStats
+
+    @abc.abstractmethod
+    def alloc(self, nbytes: int, timeout: Optional[float] = None) -> Slot:
+        """A send slot of at least ``nbytes``; waits (bounded) while all are in flight."""
+
+    @abc.abstractmethod
+    def send(self, header: Any, buffers: Sequence[Buffer] = (), timeout: Optional[float] = None) -> None:
+        """Send one message. Slots are taken over; other buffers are copied (and counted)."""
+
+    @abc.abstractmethod
+    def recv(self, timeout: Optional[float] = None) -> Message:
+        """The next message, in order. Raises Timeout, ConnectionClosed or ProtocolError."""
+
+    @abc.abstractmethod
+    def fileno(self) -> int:
+        """A file descriptor that polls readable when ``recv`` may make progress."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close; idempotent. Pending messages are discarded, registrations undone."""
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool: ...
+
+    def pending(self) -> bool:
+        """Whether a message is already buffered (``recv(0)`` would not block on the fd)."""
+        return False
+
+    def __enter__(self) -> "Connection":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Listener(abc.ABC):
+    url: str  # the bound address (a port of 0 replaced by the real one)
+
+    @abc.abstractmethod
+    def accept(self, timeout: Optional[float] = None) -> Connection: ...
+
+    @abc.abstractmethod
+    def fileno(self) -> int: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "Listener":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def closed_error(conn: Connection, why: str) -> ConnectionClosed:
+    return ConnectionClosed(f"{conn.url}: {why}")

@@ -1,0 +1,40 @@
+"""One poller over many connections and listeners (selectors underneath).
+
+A connection may already hold a complete message in user space (read ahead while it was
+sending), in which case its fd is not readable: ``poll`` reports those first.
+"""
+from __future__ import annotations
+
+import selectors
+from typing import Any, Optional
+
+
+class Poller:
+    def __init__(self) -> None:
+        self._sel = selectors.DefaultSelector()
+        self._objs: dict[int, tuple[Any, Any]] = {}
+
+    def register(self, obj: Any, data: Any = None) -> None:
+        self._sel.register(obj.fileno(), selectors.EVENT_READ, data)
+        self._objs[obj.fileno()] = (obj, data)
+
+    def unregister(self, obj: Any) -> None:
+        for fd, (o, _) in list(self._objs.items()):
+            if o is obj:
+                self._sel.unregister(fd)
+                del self._objs[fd]
+
+    def __len__(self) -> int:
+        return len(self._objs)
+
+    def poll(self, timeout: Optional[float]) -> list[tuple[Any, Any]]:
+        """Objects that are ready (a message pending or the fd readable), with their data."""
+        ready = [(o, d) for o, d in self._objs.values() if getattr(o, "pending", lambda: False)()]
+        if ready:
+            return ready
+        events = self._sel.select(timeout)
+        return [self._objs[key.fd] for key, _ in events if key.fd in self._objs]
+
+    def close(self) -> None:
+        self._sel.close()
+        self._objs.clear()

@@ -1,0 +1,171 @@
+"""A registered buffer pool: one region, registered once, carved into fixed-size slots.
+
+Registration (an RDMA memory region, a shared segment mapped by the peer) is expensive on
+every stack, so a pool is registered once and slots are handed out and returned; nothing
+is registered per message. A slot is a writable memoryview that numpy wraps in place.
+"""
+from __future__ import annotations
+
+import collections
+import mmap
+from typing import Any, Optional
+
+import numpy as np
+
+from .errors import PoolExhausted
+
+ALIGN = 64  # a cache line: slots never share one, so two writers never false-share
+
+
+def buffer_address(buf) -> int:
+    """The virtual address of the first byte of any buffer (read-only ones too)."""
+    if memoryview(buf).nbytes == 0:
+        return 0
+    return np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0]
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+class Slot:
+    """One slot of a pool: ``capacity`` bytes, of which the first ``nbytes`` are the message.
+
+    The owner fills ``buf`` (or ``array(...)``) and hands the slot to ``send``; from then
+    on the transport owns it and returns it to the pool when the peer is done with it.
+    """
+
+    __slots__ = ("pool", "index", "offset", "capacity", "nbytes", "_mem")
+
+    def __init__(self, pool: "BufferPool", index: int):
+        self.pool = pool
+        self.index = index
+        self.offset = index * pool.stride
+        self.capacity = pool.slot_size
+        self.nbytes = pool.slot_size
+        self._mem = pool.memory[self.offset : self.offset + self.capacity]
+
+    @property
+    def buf(self) -> memoryview:
+        """The writable view of the message bytes (the first ``nbytes``)."""
+        return self._mem[: self.nbytes]
+
+    @property
+    def whole(self) -> memoryview:
+        return self._mem
+
+    def resize(self, nbytes: int) -> "Slot":
+        if not 0 <= nbytes <= self.capacity:
+            raise ValueError(f"{nbytes} bytes do not fit a slot of {self.capacity}")
+        self.nbytes = nbytes
+        return self
+
+    def array(self, dtype: Any, shape: Any) -> np.ndarray:
+        """A numpy array over the slot, sized to exactly ``shape`` (sets ``nbytes``)."""
+        dt = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        self.resize(count * dt.itemsize)
+        return np.frombuffer(self._mem, dtype=dt, count=count).reshape(shape)
+
+    def release(self) -> None:
+        """Give an unsent slot back to its pool."""
+        self.pool.free(self.index)
+
+    def __repr__(self) -> str:
+        return f"<Slot {self.index} of {self.pool.name} {self.nbytes}/{self.capacity} B>"
+
+
+class BufferPool:
+    """``nslots`` slots of ``slot_size`` bytes in one contiguous, registrable region.
+
+    ``buffer`` is the region (an anonymous mmap by default; a shared segment for shm);
+    backends register ``memory`` once (``address`` and ``length`` are what an RDMA MR
+    needs).
+    """
+
+    def __init__(self, slot_size: int, nslots: int, *, buffer: Optional[Any] = None, name: str = "pool"):
+        if slot_size <= 0 or nslots <= 0:
+            raise ValueError("slot_size and nslots must be positive")
+        self.slot_size = slot_size
+        self.nslots = nslots
+        self.stride = round_up(slot_size)
+        self.length = self.stride * nslots
+        self.name = name
+        if buffer is None:
+            buffer = mmap.mmap(-1, max(self.length, 1))
+        self._buffer = buffer
+        mem = memoryview(buffer).cast("B")
+        if len(mem) < self.length:
+            raise ValueError(f"buffer of {len(mem)} bytes is smaller than {self.length}")
+        self.memory = mem[: self.length]
+        self.address = buffer_address(self.memory)
+        self._slots = [Slot(self, i) for i in range(nslots)]
+        self._free = collections.deque(range(nslots))
+        self._in_use = [False] * nslots
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    def try_alloc(self) -> Optional[Slot]:
+        if not self._free:
+            return None
+        i = self._free.popleft()
+        self._in_use[i] = True
+        s = self._slots[i]
+        s.nbytes = self.slot_size
+        return s
+
+    def alloc(self) -> Slot:
+        s = self.try_alloc()
+        if s is None:
+            raise PoolExhausted(f"all {self.nslots} slots of {self.name} are in use")
+        return s
+
+    def slot(self, index: int) -> Slot:
+        """The slot object for ``index`` (receivers use it to view a peer-filled slot)."""
+        return self._slots[index]
+
+    def take(self, index: int) -> Slot:
+        """Mark a specific slot as in use (a receiver taking the slot a message landed in)."""
+        if self._in_use[index]:
+            raise ValueError(f"slot {index} of {self.name} is already in use")
+        self._free.remove(index)
+        self._in_use[index] = True
+        return self._slots[index]
+
+    def free(self, index: int) -> None:
+        if not 0 <= index < self.nslots:
+            raise ValueError(f"slot {index} out of range 0..{self.nslots - 1}")
+        if not self._in_use[index]:
+            raise ValueError(f"slot {index} of {self.name} freed twice")
+        self._in_use[index] = False
+        self._free.append(index)
+
+    def view(self, index: int, start: int = 0, nbytes: Optional[int] = None) -> memoryview:
+        off = index * self.stride + start
+        end = index * self.stride + (self.slot_size if nbytes is None else start + nbytes)
+        if start < 0 or end > index * self.stride + self.slot_size:
+            raise ValueError("view outside the slot")
+        return self.memory[off:end]
+
+    def contains(self, buf) -> bool:
+        """Whether ``buf`` lies entirely inside this pool's registered region."""
+        mv = memoryview(buf)
+        if mv.nbytes == 0:
+            return True
+        a = buffer_address(mv)
+        return self.address <= a and a + mv.nbytes <= self.address + self.length
+
+    def close(self) -> None:
+        self._slots = []
+        self.memory.release()
+        if isinstance(self._buffer, mmap.mmap):
+            try:
+                self._buffer.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping goes when it does
+
+    def __repr__(self) -> str:
+        return f"<BufferPool {self.name} {self.nslots}x{self.slot_size} B, {self.available} free>"
