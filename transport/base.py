@@ -142,6 +142,15 @@ class Connection(abc.ABC):
     @abc.abstractmethod
     def closed(self) -> bool: ...
 
+    def in_registered_memory(self, buf) -> bool:
+        """Whether ``buf`` (a received buffer) lies in memory registered for this connection."""
+        return self.recv_pool.contains(buf)  # type: ignore[attr-defined]
+
+    def _send_raw(self, frame: bytes) -> None:
+        """Testing hook for the conformance kit: put ``frame`` on the wire (or ring) as if
+        it were a frame, bypassing every check, so the peer's validation can be tested."""
+        raise NotImplementedError
+
     def pending(self) -> bool:
         """Whether a message is already buffered (``recv(0)`` would not block on the fd)."""
         return False

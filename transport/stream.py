@@ -258,6 +258,9 @@ class StreamConnection(Connection):
             for s in slots:
                 s.release()
 
+    def _send_raw(self, frame: bytes) -> None:
+        sendmsg_all(self.sock, [memoryview(frame)], Deadline(self.default_timeout))
+
     # -- lifecycle ------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
