@@ -1,0 +1,1 @@
+"""Gateway side: router, dispatch plan and combine, worker pool, server."""

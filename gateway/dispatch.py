@@ -1,0 +1,227 @@
+"""Dispatch plan: which rows each worker gets, and the weighted combine back.
+
+A worker receives one contiguous (rows, d_model) block, grouped by expert:
+`groups(w)` lists (expert_id, start, count) with `start` relative to that
+block, and within a group the rows are in token order. A "row" is one
+(token, slot) assignment: a token routed to two experts that live on the same
+worker occupies two rows of that worker's block.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence, Union
+
+import numpy as np
+
+__all__ = ["DispatchPlan", "split_over_replicas"]
+
+ExpertToWorker = Union[Mapping[int, int], Sequence[int], np.ndarray]
+
+
+def _check_topk(topk_idx: np.ndarray, topk_weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    idx = np.asarray(topk_idx)
+    wts = np.asarray(topk_weights)
+    if idx.ndim != 2:
+        raise ValueError(f"topk_idx must be 2-D (T, k), got shape {idx.shape}")
+    if not np.issubdtype(idx.dtype, np.integer):
+        raise ValueError(f"topk_idx must be integer, got {idx.dtype}")
+    if wts.shape != idx.shape:
+        raise ValueError(f"topk_weights shape {wts.shape} != topk_idx shape {idx.shape}")
+    if idx.size and idx.min() < -1:
+        raise ValueError("topk_idx values must be expert ids >= 0, or -1 for dropped")
+    return idx, wts
+
+
+class DispatchPlan:
+    """Immutable per-batch plan; build it once per routed batch."""
+
+    def __init__(self, *, num_tokens: int, top_k: int, n_workers: int, n_experts: int,
+                 tokens: np.ndarray, slots: np.ndarray, experts: np.ndarray,
+                 weights: np.ndarray, workers: np.ndarray) -> None:
+        # Private: use build() / from_assignment(). Arrays are sorted by
+        # (worker, expert, token) and hold only the non-dropped assignments.
+        self.num_tokens, self.top_k = num_tokens, top_k
+        self.n_workers, self.n_experts = n_workers, n_experts
+        self._tokens = tokens
+        self._offsets = np.searchsorted(workers, np.arange(n_workers + 1)).astype(np.int64)
+        self.expert_counts: np.ndarray = np.bincount(experts, minlength=n_experts).astype(np.int64)
+        self._groups: list[list[tuple[int, int, int]]] = []
+        for w in range(n_workers):
+            lo, hi = int(self._offsets[w]), int(self._offsets[w + 1])
+            ex = experts[lo:hi]
+            cut = np.flatnonzero(np.diff(ex)) + 1
+            starts = np.concatenate(([0], cut)).astype(np.int64) if hi > lo else cut
+            ends = np.concatenate((cut, [hi - lo])).astype(np.int64) if hi > lo else cut
+            self._groups.append([(int(ex[s]), int(s), int(e - s)) for s, e in zip(starts, ends)])
+        # Combine segments, one per (slot, worker): within one, token ids are
+        # unique, so fancy-indexed writes are correct without np.add.at (slow
+        # before numpy 1.25). Slot 0 comes first and, a token having one slot 0,
+        # is written with `=`: only tokens whose slot 0 was dropped need zeroing.
+        self._segments: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, bool]] = []
+        for j in range(top_k):
+            for w in range(n_workers):
+                lo, hi = int(self._offsets[w]), int(self._offsets[w + 1])
+                rows = np.flatnonzero(slots[lo:hi] == j)
+                if rows.size:
+                    self._segments.append((w, rows, tokens[lo:hi][rows], weights[lo:hi][rows, None], j == 0))
+        has_first = np.zeros(num_tokens, dtype=bool)
+        has_first[tokens[slots == 0]] = True
+        self._unset = np.flatnonzero(~has_first)
+
+    # -- construction -------------------------------------------------------
+
+    @classmethod
+    def build(cls, topk_idx: np.ndarray, topk_weights: np.ndarray,
+              expert_to_worker: ExpertToWorker, n_workers: int) -> "DispatchPlan":
+        """Plan for a static placement: expert e lives on worker expert_to_worker[e]
+        (a dict or a sequence indexed by expert id). Dropped slots (-1) are skipped."""
+        idx, wts = _check_topk(topk_idx, topk_weights)
+        if isinstance(expert_to_worker, Mapping):
+            n_experts = max(expert_to_worker, default=-1) + 1
+            table = np.full(n_experts, -1, dtype=np.int64)
+            for e, w in expert_to_worker.items():
+                if e < 0:
+                    raise ValueError(f"expert id must be >= 0, got {e}")
+                table[e] = w
+        else:
+            table = np.asarray(expert_to_worker, dtype=np.int64).reshape(-1)
+            n_experts = table.size
+        valid = idx >= 0
+        if idx.size and idx.max() >= n_experts:
+            raise ValueError(f"expert {int(idx.max())} has no worker (mapping covers {n_experts} experts)")
+        assign = np.where(valid, table[np.where(valid, idx, 0)] if n_experts else -1, -1)
+        if np.any(valid & (assign < 0)):
+            missing = sorted(set(idx[valid & (assign < 0)].tolist()))
+            raise ValueError(f"experts {missing} have no worker in expert_to_worker")
+        return cls.from_assignment(idx, wts, assign, n_workers, n_experts=n_experts)
+
+    @classmethod
+    def from_assignment(cls, topk_idx: np.ndarray, topk_weights: np.ndarray,
+                        worker_of_assignment: np.ndarray, n_workers: int,
+                        *, n_experts: int | None = None) -> "DispatchPlan":
+        """Plan where each (token, slot) names its worker, so one expert's
+        tokens may be split over replicas. Entries of dropped slots are ignored."""
+        idx, wts = _check_topk(topk_idx, topk_weights)
+        assign = np.asarray(worker_of_assignment)
+        if assign.shape != idx.shape:
+            raise ValueError(f"worker_of_assignment shape {assign.shape} != topk_idx shape {idx.shape}")
+        if not np.issubdtype(assign.dtype, np.integer):
+            raise ValueError(f"worker_of_assignment must be integer, got {assign.dtype}")
+        if n_workers < 1:
+            raise ValueError(f"n_workers must be >= 1, got {n_workers}")
+        T, k = idx.shape
+        valid = idx >= 0
+        if n_experts is None:
+            n_experts = int(idx.max()) + 1 if valid.any() else 0
+        elif valid.any() and idx.max() >= n_experts:
+            raise ValueError(f"expert id {int(idx.max())} >= n_experts={n_experts}")
+        tok, slot = np.nonzero(valid)
+        wk = assign[tok, slot].astype(np.int64)
+        if wk.size and (wk.min() < 0 or wk.max() >= n_workers):
+            raise ValueError(f"worker index out of range [0, {n_workers}) in worker_of_assignment")
+        ex = idx[tok, slot].astype(np.int64)
+        order = np.lexsort((tok, ex, wk))  # by worker, then expert, then token
+        return cls(num_tokens=T, top_k=k, n_workers=int(n_workers), n_experts=int(n_experts),
+                   tokens=tok[order].astype(np.intp), slots=slot[order],
+                   experts=ex[order], weights=wts[tok, slot][order].astype(np.float32),
+                   workers=wk[order])
+
+    # -- per worker ---------------------------------------------------------
+
+    def worker_tokens(self, w: int) -> int:
+        """Rows in worker w's block (0 is valid: nothing to send)."""
+        return int(self._offsets[w + 1] - self._offsets[w])
+
+    def groups(self, w: int) -> list[tuple[int, int, int]]:
+        """(expert_id, start, count) of worker w's block, in row order."""
+        return list(self._groups[w])
+
+    def token_indices(self, w: int) -> np.ndarray:
+        """Token index of each row of worker w's block (read-only view)."""
+        v = self._tokens[self._offsets[w]:self._offsets[w + 1]]
+        v.flags.writeable = False
+        return v
+
+    def gather_into(self, x: np.ndarray, w: int, out: np.ndarray) -> np.ndarray:
+        """Copy worker w's rows of x (T, d) into `out` (rows, d), e.g. a send
+        slot viewed as an array. This is the one copy dispatch needs."""
+        if x.ndim != 2 or x.shape[0] != self.num_tokens:
+            raise ValueError(f"x must have shape ({self.num_tokens}, d), got {x.shape}")
+        n = self.worker_tokens(w)
+        if out.shape != (n, x.shape[1]):
+            raise ValueError(f"out must have shape {(n, x.shape[1])} for worker {w}, got {out.shape}")
+        if out.dtype != x.dtype:
+            raise ValueError(f"out dtype {out.dtype} != x dtype {x.dtype}")
+        # Indices were checked at build time; mode="clip" skips np.take's
+        # hidden buffering of `out` under the default mode="raise".
+        np.take(x, self._tokens[self._offsets[w]:self._offsets[w + 1]], axis=0, out=out, mode="clip")
+        return out
+
+    def gather(self, x: np.ndarray, w: int) -> np.ndarray:
+        """Allocating gather, for tests and in-process use."""
+        out = np.empty((self.worker_tokens(w), x.shape[1]), dtype=x.dtype)
+        return self.gather_into(x, w, out)
+
+    # -- combine ------------------------------------------------------------
+
+    def combine(self, outputs: Sequence[np.ndarray | None], out: np.ndarray) -> np.ndarray:
+        """out[t] = sum over t's assignments of weight * expert output.
+
+        `outputs[w]` holds worker w's rows in the order they were gathered
+        (None or a (0, d) array for an empty worker). `out` (T, d) is zeroed
+        first, so tokens whose every slot was dropped come out as 0."""
+        if len(outputs) != self.n_workers:
+            raise ValueError(f"expected {self.n_workers} outputs, got {len(outputs)}")
+        if out.ndim != 2 or out.shape[0] != self.num_tokens:
+            raise ValueError(f"out must have shape ({self.num_tokens}, d), got {out.shape}")
+        d = out.shape[1]
+        for w, y in enumerate(outputs):
+            n = self.worker_tokens(w)
+            if y is None and n == 0:
+                continue
+            if y is None or y.shape != (n, d):
+                got = None if y is None else y.shape
+                raise ValueError(f"output of worker {w} must have shape {(n, d)}, got {got}")
+        if self._unset.size == self.num_tokens:
+            out[...] = 0
+        elif self._unset.size:
+            out[self._unset] = 0
+        for w, rows, toks, wts, first in self._segments:
+            contrib = np.take(outputs[w], rows, axis=0)
+            contrib *= wts
+            if first:
+                out[toks] = contrib
+            else:
+                out[toks] += contrib
+        return out
+
+    def __repr__(self) -> str:
+        per = [self.worker_tokens(w) for w in range(self.n_workers)]
+        return f"DispatchPlan(T={self.num_tokens}, k={self.top_k}, rows_per_worker={per})"
+
+
+def split_over_replicas(topk_idx: np.ndarray, replicas: Mapping[int, Sequence[int]] | Sequence[Sequence[int]],
+                        shares: Mapping[int, Sequence[float]] | None = None) -> np.ndarray:
+    """A (T, k) worker_of_assignment for `DispatchPlan.from_assignment`.
+
+    Each expert's assignments, in token order, are cut into contiguous runs,
+    one per replica worker in `replicas[e]`, sized in proportion to
+    `shares[e]` (equal by default; a load-aware pool passes its own).
+    Dropped slots get -1."""
+    idx = np.asarray(topk_idx)
+    reps = dict(replicas) if isinstance(replicas, Mapping) else dict(enumerate(replicas))
+    assign = np.full(idx.shape, -1, dtype=np.int64)
+    tok, slot = np.nonzero(idx >= 0)
+    ex = idx[tok, slot]
+    for e in np.unique(ex).tolist():
+        ws = list(reps.get(e, ()))
+        if not ws:
+            raise ValueError(f"expert {e} has no replica")
+        share = np.ones(len(ws)) if shares is None or e not in shares else np.asarray(shares[e], float)
+        if share.shape != (len(ws),) or np.any(share < 0) or share.sum() <= 0:
+            raise ValueError(f"shares for expert {e} must be {len(ws)} non-negative numbers, not all 0")
+        sel = np.flatnonzero(ex == e)  # token order (np.nonzero is row-major)
+        bounds = np.round(np.cumsum(share) / share.sum() * sel.size).astype(np.int64)
+        which = np.searchsorted(bounds, np.arange(sel.size), side="right")
+        assign[tok[sel], slot[sel]] = np.asarray(ws, dtype=np.int64)[which]
+    return assign

@@ -1,0 +1,1 @@
+"""Expert worker side: expert FFNs, the serve loop and its CLI."""
