@@ -1,0 +1,166 @@
+"""``moe-gateway``: the client-facing MoE layer over a pool of expert workers.
+
+    moe-gateway --listen tcp://127.0.0.1:7000 --workers tcp://10.0.0.2:5000,tcp://10.0.0.3:5000
+    moe-gateway --listen shm://gw --local-workers 2 --backend shm      # spawns and owns them
+
+Prints ``LISTENING <url>`` as its first stdout line. SIGTERM: stop accepting, answer what
+is queued and in flight, stop the local workers, exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+from workers.cli import blas_env, parse_int_list, spawn_service, stop_process, worker_argv
+from workers.protocol import LISTENING
+
+log = logging.getLogger("moe.gateway")
+
+
+def parse_floats(text: Optional[str]) -> Optional[list[float]]:
+    return None if not text else [float(v) for v in text.split(",") if v.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moe-gateway", description="Serve a distributed MoE layer.")
+    p.add_argument("--listen", default="tcp://127.0.0.1:0", help="client-facing transport URL")
+    src = p.add_argument_group("workers")
+    src.add_argument("--workers", default=None, help="comma-separated URLs of running moe-worker daemons")
+    src.add_argument("--local-workers", type=int, default=2, help="spawn and own N workers (without --workers)")
+    src.add_argument("--backend", default="shm", choices=["shm", "tcp", "rdma"], help="local workers' transport")
+    src.add_argument("--replicas", type=int, default=1, help="local workers: copies of each expert")
+    src.add_argument("--worker-threads", type=int, default=1, help="local workers: BLAS threads each")
+    src.add_argument("--worker-cpus", default=None, help="local workers: pin worker i to the i-th CPU listed")
+    src.add_argument("--rdma-ip", default="127.0.0.1", help="local workers on rdma: the address to bind")
+    moe = p.add_argument_group("MoE layer")
+    moe.add_argument("--n-experts", type=int, default=8)
+    moe.add_argument("--top-k", type=int, default=2)
+    moe.add_argument("--d-model", type=int, default=256)
+    moe.add_argument("--d-ff", type=int, default=512)
+    moe.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    moe.add_argument("--seed", type=int, default=0, help="router and (local) expert weights")
+    moe.add_argument("--capacity-factor", type=float, default=None)
+    moe.add_argument("--overflow", default="drop", choices=["drop", "spill"])
+    moe.add_argument("--gate-bias", default=None, help="comma-separated per-expert gate bias (skewed routing)")
+    moe.add_argument("--noisy", action="store_true", help="noisy top-k gating")
+    moe.add_argument("--noise-std", type=float, default=1.0)
+    bat = p.add_argument_group("batching")
+    bat.add_argument("--max-batch-tokens", type=int, default=1024, help="tokens per dispatch round at most")
+    bat.add_argument("--max-wait-ms", type=float, default=1.0,
+                     help="longest a request waits for others to share its round (0: dispatch at once)")
+    bat.add_argument("--max-inflight-rounds", type=int, default=2)
+    bat.add_argument("--max-batch-requests", type=int, default=256)
+    bat.add_argument("--no-split", action="store_true", help="never split one expert's tokens over replicas")
+    p.add_argument("--worker-timeout", type=float, default=10.0, help="a round fails after this, seconds")
+    p.add_argument("--threads", type=int, default=1, help="the gateway's own BLAS threads (the gate matmul)")
+    p.add_argument("--log-level", default="WARNING")
+    return p
+
+
+def placement(n_experts: int, n_workers: int, replicas: int = 1) -> list[list[int]]:
+    """Contiguous blocks of experts per worker; with replicas > 1, worker i also hosts
+    the blocks of workers i-1, ..., i-replicas+1 (so each expert lives on that many)."""
+    if not 1 <= n_workers:
+        raise ValueError("need at least one worker")
+    replicas = max(1, min(replicas, n_workers))
+    blocks = [[e for e in range(n_experts) if e * n_workers // n_experts == w] for w in range(n_workers)]
+    return [sorted({e for r in range(replicas) for e in blocks[(w - r) % n_workers]}) for w in range(n_workers)]
+
+
+class LocalWorkers:
+    """N moe-worker child processes owned by this gateway (stopped for sure on close)."""
+
+    def __init__(self, args) -> None:
+        self.procs: list = []
+        self.urls: list[str] = []
+        cpus = parse_int_list(args.worker_cpus) if args.worker_cpus else []
+        max_rows = args.max_batch_tokens * args.top_k
+        env = blas_env(args.worker_threads)
+        try:
+            for i, experts in enumerate(placement(args.n_experts, args.local_workers, args.replicas)):
+                extra = ["--threads", str(args.worker_threads), "--exit-with-parent", "--log-level", args.log_level]
+                if cpus:
+                    extra += ["--cpu", str(cpus[i % len(cpus)])]
+                proc, url = spawn_service(worker_argv(self._url(args, i), experts, d_model=args.d_model,
+                                                      d_ff=args.d_ff, seed=args.seed, dtype=args.dtype,
+                                                      max_tokens=max_rows, extra=extra), env=env)
+                self.procs.append(proc)
+                self.urls.append(url)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _url(args, i: int) -> str:
+        if args.backend == "shm":
+            return f"shm://moe-{os.getpid()}-w{i}"
+        if args.backend == "rdma":
+            return f"rdma://{args.rdma_ip}:0"
+        return "tcp://127.0.0.1:0"
+
+    def close(self) -> None:
+        for proc in self.procs:
+            rc = stop_process(proc, timeout=10.0)
+            if rc not in (0, None):
+                log.warning("local worker %d exited with %s", proc.pid, rc)
+        self.procs = []
+
+
+def make_router(args):
+    import numpy as np
+
+    from gateway.router import Router
+
+    bias = parse_floats(args.gate_bias)
+    if bias is not None and len(bias) != args.n_experts:
+        raise ValueError(f"--gate-bias needs {args.n_experts} values, got {len(bias)}")
+    return Router(args.d_model, args.n_experts, args.top_k, noisy=args.noisy, noise_std=args.noise_std,
+                  capacity_factor=args.capacity_factor, overflow=args.overflow, seed=args.seed,
+                  bias=None if bias is None else np.asarray(bias, np.float32))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format=f"moe-gateway[{os.getpid()}] %(levelname)s %(message)s")
+    from threadpoolctl import threadpool_limits
+
+    from gateway.pool import WorkerPool
+    from gateway.server import GatewayServer, install_signal_handlers
+
+    limits = threadpool_limits(limits=args.threads)  # noqa: F841 (kept for the process's life)
+    local = pool = server = None
+    try:
+        router = make_router(args)
+        if args.workers:
+            urls = [u.strip() for u in args.workers.split(",") if u.strip()]
+        else:
+            local = LocalWorkers(args)
+            urls = local.urls
+        pool = WorkerPool(urls, router, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
+                          timeout=args.worker_timeout, split_replicas=not args.no_split)
+        server = GatewayServer(pool, args.listen, max_batch_tokens=args.max_batch_tokens,
+                               max_wait_ms=args.max_wait_ms, max_inflight_rounds=args.max_inflight_rounds,
+                               max_batch_requests=args.max_batch_requests)
+    except Exception as e:
+        print(f"moe-gateway: {e}", file=sys.stderr)
+        if pool is not None:
+            pool.close()
+        if local is not None:
+            local.close()
+        return 2
+    try:
+        install_signal_handlers(server)
+        print(f"{LISTENING} {server.url}", flush=True)
+        return server.serve()
+    finally:
+        pool.close()
+        if local is not None:
+            local.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""``GatewayClient``: submit token batches to a moe-gateway and get the MoE outputs.
+
+    with GatewayClient("tcp://127.0.0.1:7000") as c:
+        y = c.forward(x, timeout=5.0)          # x: (T, d_model) float32
+
+One connection per client object. The object is thread-safe (a lock guards the
+connection, which the transport wants used by one thread at a time), but threads then
+take turns; for concurrency make one client per thread. ``submit``/``result`` pipeline
+several requests on one connection; results are matched by request id, so a late reply to
+a request that timed out is discarded, never mistaken for another's.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+import transport
+from transport import Timeout
+from workers import protocol as P
+
+DEFAULT_SLOT_SIZE = 4 << 20  # the largest reply this client can take: 1M float32 values
+
+
+class GatewayClient:
+    def __init__(self, url: str, *, timeout: float = 30.0, slot_size: int = DEFAULT_SLOT_SIZE,
+                 nslots: int = 8, connect_timeout: Optional[float] = None) -> None:
+        self.url = url
+        self.timeout = timeout
+        self.conn = transport.connect(url, slot_size=slot_size, nslots=nslots,
+                                      timeout=connect_timeout or timeout)
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._done: dict[int, Any] = {}  # request id -> (header, array copy) or error
+        self._waiting: set[int] = set()
+        #: the gateway's timing of the round that served the last result (route_s, ...)
+        self.last_timing: Optional[dict] = None
+        self.last_round: Optional[int] = None
+
+    def forward(self, x: np.ndarray, *, timeout: Optional[float] = None,
+                out: Optional[np.ndarray] = None) -> np.ndarray:
+        """The MoE layer's output for ``x`` (T, d_model). Raises transport.Timeout when no
+        reply comes in ``timeout`` seconds, RemoteError when the gateway refuses or fails it."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        rid = self.submit(x, timeout=max(0.0, deadline - time.monotonic()))
+        return self.result(rid, timeout=max(0.0, deadline - time.monotonic()), out=out)
+
+    def submit(self, x: np.ndarray, *, timeout: Optional[float] = None) -> int:
+        """Send one request; returns its id (for :meth:`result`)."""
+        x = np.asarray(x)
+        if x.ndim != 2:
+            raise ValueError(f"x must be 2-D (T, d_model), got shape {x.shape}")
+        with self._lock:
+            rid = next(self._ids)
+            slot = self.conn.alloc(x.nbytes, timeout=timeout)
+            np.copyto(slot.array(x.dtype, x.shape), x)  # into registered memory: the send is zero-copy
+            self.conn.send(P.forward_request(rid, x.shape, x.dtype), [slot], timeout=timeout)
+            self._waiting.add(rid)
+        return rid
+
+    def result(self, request_id: int, *, timeout: Optional[float] = None,
+               out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Wait for request ``request_id``'s output (copied out of the transport buffer,
+        into ``out`` if given). On Timeout the request is abandoned."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        try:
+            while True:
+                with self._lock:
+                    if request_id in self._done:
+                        return self._take(request_id, out)
+                    if request_id not in self._waiting:
+                        raise KeyError(f"no request {request_id} outstanding")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise Timeout(f"no reply to request {request_id} from {self.url} in time")
+                    # short slices: other threads sharing this client get the lock between them
+                    self._receive(min(left, 0.02))
+                time.sleep(0)
+        except Timeout:
+            with self._lock:
+                self._waiting.discard(request_id)
+            raise
+
+    def _receive(self, timeout: float) -> None:
+        try:
+            msg = self.conn.recv(timeout=timeout)
+        except Timeout:
+            return
+        with msg:
+            h = msg.header
+            rid = P.request_id_of(h)
+            if rid not in self._waiting:
+                return  # the reply to an abandoned (timed-out) request
+            op = h.get("op") if isinstance(h, dict) else None
+            if op == P.RESULT:
+                shape = tuple(h["shape"])
+                y = msg.array(0, h["dtype"], shape).copy() if shape[0] else np.empty(shape, h["dtype"])
+                self._done[rid] = (h, y)
+            elif op == P.ERROR:
+                self._done[rid] = P.RemoteError(str(h.get("code")), str(h.get("message")), self.url)
+            elif op == P.PONG:
+                self._done[rid] = (h, None)
+            self._waiting.discard(rid)
+
+    def _take(self, rid: int, out: Optional[np.ndarray]):
+        got = self._done.pop(rid)
+        if isinstance(got, Exception):
+            raise got
+        h, y = got
+        if y is None:
+            return h
+        self.last_timing = h.get("timing")
+        self.last_round = h.get("round")
+        if out is not None:
+            np.copyto(out, y)
+            return out
+        return y
+
+    def ping(self, timeout: Optional[float] = None) -> dict:
+        """The gateway's pong: counters (requests, rounds, stage seconds), workers' health."""
+        with self._lock:
+            rid = next(self._ids)
+            self.conn.send(P.request(P.PING, rid), timeout=timeout)
+            self._waiting.add(rid)
+        return self.result(rid, timeout=timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            self.conn.close()
+
+    def __enter__(self) -> "GatewayClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
