@@ -220,6 +220,8 @@ class WorkerDaemon:
         """Handle every message already there; True if there was at least one."""
         served = False
         for _ in range(64):  # bounded, so one busy peer cannot starve the others
+            if self._stop and not self._draining:
+                break  # back to the loop: the draining notice goes out before more work
             try:
                 msg = conn.recv(timeout=0)
             except Timeout:
