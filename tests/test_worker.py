@@ -1,0 +1,270 @@
+"""moe-worker as a real process: forward in place, ping/info, error replies that leave it
+serving, and the SIGTERM drain. Runs on tcp and shm (shm FAILS while it does not import)."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import transport
+from tests.helpers_procs import BACKENDS, Services, backend_problem, listen_url, shm_entries, wait_until
+from workers import protocol as P
+from workers.expert import SwiGLUExpert
+
+D, F, SEED, MAX_TOKENS = 16, 32, 3, 32
+EXPERTS = (0, 1, 5)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def worker(request):
+    backend = request.param
+    problem = backend_problem(backend)
+    if problem:
+        yield backend, problem
+        return
+    with Services() as services:
+        yield backend, services.worker(backend, EXPERTS, d_model=D, d_ff=F, seed=SEED, max_tokens=MAX_TOKENS)
+
+
+def _service(worker):
+    backend, s = worker
+    if isinstance(s, str):
+        pytest.fail(f"{backend}: {s}")
+    return s
+
+
+@pytest.fixture
+def connect(worker):
+    """A connection to the module's worker. Not made in the fixture's setup, so that a
+    backend that does not work yet makes the test FAIL (pytest.fail), not error."""
+    holder = []
+
+    def make():
+        holder.append(transport.connect(_service(worker).url, slot_size=1 << 16, nslots=4, timeout=10.0))
+        return holder[0]
+    yield make
+    for c in holder:
+        c.close()
+
+
+def _request(c, header, x=None, timeout=10.0):
+    """Send one request (x staged into a send slot) and return its reply, skipping
+    unsolicited notices."""
+    if x is None:
+        c.send(header, timeout=timeout)
+    else:
+        slot = c.alloc(x.nbytes)
+        np.copyto(slot.array(x.dtype, x.shape), x)
+        c.send(header, [slot], timeout=timeout)
+    while True:
+        msg = c.recv(timeout=timeout)
+        if msg.header.get("op") != P.DRAINING:
+            return msg
+        msg.release()
+
+
+def _forward(c, rid, x, groups):
+    msg = _request(c, P.forward_request(rid, x.shape, x.dtype, groups), x)
+    try:
+        P.raise_if_error(msg.header)
+        assert msg.header["op"] == P.RESULT and msg.header["id"] == rid
+        return msg.array(0, np.float32, x.shape).copy(), msg.header
+    finally:
+        msg.release()
+
+
+def _tokens(n, seed=0, d=D):
+    return np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
+
+
+def _expected(x, groups):
+    y = np.empty_like(x)
+    for e, s, c in groups:
+        y[s:s + c] = SwiGLUExpert.from_seed(e, D, F, seed=SEED)(x[s:s + c])
+    return y
+
+
+def test_info_names_experts_and_limits(connect):
+    conn = connect()
+    with _request(conn, P.request(P.INFO, 7)) as msg:
+        h = msg.header
+    assert h["op"] == P.INFO and h["id"] == 7
+    assert h["experts"] == sorted(EXPERTS)
+    assert h["d_model"] == D and h["d_ff"] == F and h["dtype"] == "float32"
+    assert h["max_tokens"] == MAX_TOKENS
+    assert [e for e, _ in h["versions"]] == sorted(EXPERTS)
+
+
+def test_forward_runs_each_group_on_its_expert(connect):
+    conn = connect()
+    x = _tokens(20)
+    groups = [(0, 0, 7), (1, 7, 0), (5, 7, 13)]
+    y, h = _forward(conn, 1, x, groups)
+    np.testing.assert_allclose(y, _expected(x, groups), rtol=1e-5, atol=1e-6)
+    assert h["compute_s"] >= 0
+    assert sorted(e for e, _, _ in h["experts"]) == [0, 5]  # empty groups are skipped
+
+
+def test_ping_reports_counters(connect):
+    conn = connect()
+    with _request(conn, P.request(P.PING, 1)) as msg:
+        before = msg.header
+    x = _tokens(9, seed=1)
+    _forward(conn, 2, x, [(1, 0, 4), (5, 4, 5)])
+    with _request(conn, P.request(P.PING, 3)) as msg:
+        after = msg.header
+    assert after["op"] == P.PONG and after["id"] == 3
+    assert after["experts"] == sorted(EXPERTS) and after["in_flight"] == 0 and after["draining"] is False
+    b = dict((e, c) for e, c in before["counters"]["experts"])
+    a = dict((e, c) for e, c in after["counters"]["experts"])
+    assert a[1]["tokens"] - b[1]["tokens"] == 4 and a[5]["tokens"] - b[5]["tokens"] == 5
+    assert a[1]["batches"] - b[1]["batches"] == 1
+    assert a[0]["tokens"] == b[0]["tokens"]
+    assert after["counters"]["batches"] == before["counters"]["batches"] + 1
+
+
+BAD_REQUESTS = {
+    "unknown_expert": (lambda x: P.forward_request(1, x.shape, x.dtype, [(2, 0, len(x))]), P.UNKNOWN_EXPERT),
+    "wrong_d_model": (lambda x: P.forward_request(1, (len(x) * 2, D // 2), x.dtype, [(0, 0, len(x) * 2)]),
+                      P.BAD_SHAPE),
+    "payload_mismatch": (lambda x: P.forward_request(1, (len(x) + 1, D), x.dtype, [(0, 0, len(x) + 1)]),
+                         P.BAD_SHAPE),
+    "bad_dtype": (lambda x: P.forward_request(1, (len(x) * 2, D), np.float16, [(0, 0, len(x) * 2)]),
+                  P.BAD_DTYPE),
+    "groups_not_tiling": (lambda x: P.forward_request(1, x.shape, x.dtype, [(0, 0, 3)]), P.BAD_GROUPS),
+    "no_groups": (lambda x: P.forward_request(1, x.shape, x.dtype), P.BAD_GROUPS),
+    "unknown_op": (lambda x: {"op": "explode", "id": 1}, P.BAD_REQUEST),
+    "no_id": (lambda x: {"op": P.PING}, P.BAD_REQUEST),
+    "not_a_map": (lambda x: [1, 2, 3], P.BAD_REQUEST),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_request_gets_an_error_reply_and_the_worker_keeps_serving(connect, case):
+    conn = connect()
+    make, code = BAD_REQUESTS[case]
+    x = _tokens(6)
+    with _request(conn, make(x), x) as msg:
+        h = msg.header
+    assert h["op"] == P.ERROR and h["code"] == code, h
+    assert h["message"]
+    # still serving, on this very connection
+    y, _ = _forward(conn, 2, x, [(0, 0, 6)])
+    np.testing.assert_allclose(y, _expected(x, [(0, 0, 6)]), rtol=1e-5, atol=1e-6)
+
+
+def test_oversized_batch_is_refused(connect):
+    conn = connect()
+    x = _tokens(MAX_TOKENS + 1)
+    with _request(conn, P.forward_request(1, x.shape, x.dtype, [(0, 0, len(x))]), x) as msg:
+        h = msg.header
+    assert h["op"] == P.ERROR and h["code"] == P.OVERSIZED and str(MAX_TOKENS) in h["message"]
+    x = _tokens(MAX_TOKENS)
+    y, _ = _forward(conn, 2, x, [(5, 0, MAX_TOKENS)])
+    np.testing.assert_allclose(y, _expected(x, [(5, 0, MAX_TOKENS)]), rtol=1e-5, atol=1e-6)
+
+
+def test_error_counters_count_by_code(connect):
+    conn = connect()
+    with _request(conn, P.request(P.PING, 1)) as msg:
+        before = msg.header["counters"]["errors"].get(P.UNKNOWN_EXPERT, 0)
+    x = _tokens(3)
+    _request(conn, P.forward_request(2, x.shape, x.dtype, [(4, 0, 3)]), x).release()
+    with _request(conn, P.request(P.PING, 3)) as msg:
+        assert msg.header["counters"]["errors"][P.UNKNOWN_EXPERT] == before + 1
+
+
+def test_many_connections_are_served_by_one_worker(worker):
+    s = _service(worker)
+    conns = [transport.connect(s.url, slot_size=1 << 16, nslots=4, timeout=10.0) for _ in range(3)]
+    try:
+        xs = [_tokens(5 + i, seed=i) for i in range(3)]
+        for i, (c, x) in enumerate(zip(conns, xs)):  # all in flight before any reply is read
+            slot = c.alloc(x.nbytes)
+            np.copyto(slot.array(x.dtype, x.shape), x)
+            c.send(P.forward_request(i, x.shape, x.dtype, [(0, 0, len(x))]), [slot])
+        for i, (c, x) in enumerate(zip(conns, xs)):
+            with c.recv(timeout=10.0) as msg:
+                assert msg.header["id"] == i
+                np.testing.assert_allclose(msg.array(0, np.float32, x.shape), _expected(x, [(0, 0, len(x))]),
+                                           rtol=1e-5, atol=1e-6)
+    finally:
+        for c in conns:
+            c.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sigterm_drains_in_flight_batches_then_exits_0(backend):
+    problem = backend_problem(backend)
+    if problem:
+        pytest.fail(problem)
+    shm_before = shm_entries()
+    with Services() as services:
+        # big enough that the batches are still being computed when SIGTERM lands
+        w = services.worker(backend, [0, 1], d_model=128, d_ff=512, max_tokens=512)
+        c = transport.connect(w.url, slot_size=1 << 20, nslots=8, timeout=10.0)
+        try:
+            xs = [_tokens(512, seed=i, d=128) for i in range(4)]
+            for i, x in enumerate(xs):
+                slot = c.alloc(x.nbytes)
+                np.copyto(slot.array(x.dtype, x.shape), x)
+                c.send(P.forward_request(i, x.shape, x.dtype, [(0, 0, 256), (1, 256, 256)]), [slot])
+            w.proc.send_signal(signal.SIGTERM)
+            got, notices = {}, 0
+            deadline = time.monotonic() + 20
+            while len(got) < len(xs) and time.monotonic() < deadline:
+                with c.recv(timeout=10.0) as msg:
+                    if msg.header["op"] == P.DRAINING:
+                        notices += 1
+                        continue
+                    assert msg.header["op"] == P.RESULT, msg.header
+                    got[msg.header["id"]] = msg.array(0, np.float32, (512, 128)).copy()
+            assert sorted(got) == list(range(len(xs)))
+            while not notices:  # the notice may trail the results; it must come before the close
+                with c.recv(timeout=10.0) as msg:
+                    notices += msg.header["op"] == P.DRAINING
+            e0 = SwiGLUExpert.from_seed(0, 128, 512, seed=0)
+            e1 = SwiGLUExpert.from_seed(1, 128, 512, seed=0)
+            for i, x in enumerate(xs):
+                np.testing.assert_allclose(got[i][:256], e0(x[:256]), rtol=1e-4, atol=1e-5)
+                np.testing.assert_allclose(got[i][256:], e1(x[256:]), rtol=1e-4, atol=1e-5)
+            assert wait_until(lambda: not w.alive(), timeout=15)
+            assert w.proc.returncode == 0
+            assert notices == 1  # the peer was told to route elsewhere
+        finally:
+            c.close()
+        with pytest.raises(transport.TransportError):  # it stopped accepting
+            transport.connect(w.url, slot_size=1 << 16, nslots=2, timeout=2.0)
+    assert shm_entries() - shm_before == set()
+
+
+def test_weights_file_and_cli_errors(tmp_path):
+    path = tmp_path / "experts.npz"
+    experts = [SwiGLUExpert.from_seed(e, D, F, seed=11) for e in (2, 3)]
+    SwiGLUExpert.save_many(path, experts)
+    with Services() as services:
+        w = services.start([sys.executable, "-m", "workers.cli", "--listen", listen_url("tcp"),
+                            "--weights", str(path), "--max-tokens", "16", "--threads", "1", "--cpu", "0"])
+        c = transport.connect(w.url, slot_size=1 << 16, nslots=4, timeout=10.0)
+        try:
+            with _request(c, P.request(P.INFO, 1)) as msg:
+                assert msg.header["experts"] == [2, 3]
+            x = _tokens(8)
+            msg = _request(c, P.forward_request(2, x.shape, x.dtype, [(2, 0, 3), (3, 3, 5)]), x)
+            with msg:
+                y = msg.array(0, np.float32, x.shape)
+                np.testing.assert_allclose(y[:3], experts[0](x[:3]), rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(y[3:], experts[1](x[3:]), rtol=1e-5, atol=1e-6)
+        finally:
+            c.close()
+        # an expert the file lacks: a clear start-up failure, not a half-started worker
+        with pytest.raises(Exception, match="exited with 2"):
+            services.start([sys.executable, "-m", "workers.cli", "--listen", listen_url("tcp"),
+                            "--weights", str(path), "--experts", "7"])
+    assert os.path.exists(path)
