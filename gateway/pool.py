@@ -258,6 +258,7 @@ class WorkerPool:
         self._next_id = 1
         self._poller: Optional[Poller] = None  # forward()'s own
         self._watchers: list = []  # (poller, data_fn): pollers the workers are registered in
+        self._finished: list[Round] = []  # outbox of take_finished()
         try:
             for i, url in enumerate(urls):
                 conn = transport.connect(url, slot_size=slot_size, nslots=nslots, timeout=connect_timeout)
@@ -439,23 +440,27 @@ class WorkerPool:
 
     # -- replies ---------------------------------------------------------------
     def on_ready(self, w: WorkerState) -> list[Round]:
-        """Take every message worker ``w`` has ready; returns the rounds that finished
-        (completed or failed). Call when its connection polls readable."""
-        done: list[Round] = []
+        """Take every message worker ``w`` has ready (call when its connection polls
+        readable); returns :meth:`take_finished`."""
         for _ in range(64):
             try:
                 msg = w.conn.recv(timeout=0)
             except Timeout:
                 break
             except TransportError as e:  # ConnectionClosed, ProtocolError
-                done += self._worker_failed(w, f"connection lost: {e}", closed=True)
+                self._worker_failed(w, f"connection lost: {e}", closed=True)
                 break
-            r = self._handle(w, msg)
-            if r is not None:
-                done.append(r)
+            self._handle(w, msg)
+        return self.take_finished()
+
+    def take_finished(self) -> list[Round]:
+        """Rounds (other than one :meth:`dispatch` returned finished) that completed or
+        failed since the last call, whatever noticed it: a reply, a worker lost while
+        sending another round, a deadline."""
+        done, self._finished = self._finished, []
         return done
 
-    def _handle(self, w: WorkerState, msg) -> Optional[Round]:
+    def _handle(self, w: WorkerState, msg) -> None:
         h = msg.header
         op = h.get("op") if isinstance(h, dict) else None
         if op in (P.RESULT, P.ERROR) and P.request_id_of(h) in w.pending:
@@ -464,18 +469,20 @@ class WorkerPool:
             rnd = self._rounds.get(rid)
             if rnd is None or rnd.error is not None:
                 msg.release()  # a late reply to a round that already failed
-                return None
+                return
             if op == P.ERROR:
                 msg.release()
                 err = P.RemoteError(str(h.get("code")), str(h.get("message")), w.url)
                 self._worker_failed(w, f"error reply: {err}")
-                return self._finish_failed(rnd, WorkerError(f"worker {w.url} failed round {rid}: {err}"))
+                self._finish_failed(rnd, WorkerError(f"worker {w.url} failed round {rid}: {err}"))
+                return
             rows = rnd.rows.get(w.index, -1)
             if h.get("shape") != [rows, self.d_model] or h.get("dtype") != self.dtype.name \
                     or len(msg.buffers) != 1 or msg.buffers[0].nbytes != rows * self.row_bytes:
                 msg.release()
                 self._worker_failed(w, f"malformed reply {h!r}")
-                return self._finish_failed(rnd, WorkerError(f"worker {w.url} sent a malformed reply"))
+                self._finish_failed(rnd, WorkerError(f"worker {w.url} sent a malformed reply"))
+                return
             rnd.replies[w.index] = (msg, msg.array(0, self.dtype, (rows, self.d_model)))
             cs = float(h.get("compute_s", 0.0))
             w.compute_seconds += cs
@@ -486,8 +493,8 @@ class WorkerPool:
                 rnd.stats.wait_s = now - rnd._sent_at
                 rnd.stats.total_s = now - rnd._t0
                 del self._rounds[rid]
-                return rnd
-            return None
+                self._finished.append(rnd)
+            return
         msg.release()
         if op == P.DRAINING:
             log.info("worker %s is draining: no new batches go to it", w.url)
@@ -500,16 +507,15 @@ class WorkerPool:
             w.draining = bool(h.get("draining"))
         elif op not in (P.INFO,):
             log.warning("unexpected message from worker %s: %r", w.url, h)
-        return None
 
-    def _finish_failed(self, rnd: Round, err: Exception) -> Round:
+    def _finish_failed(self, rnd: Round, err: Exception) -> None:
         rnd._fail(err)
-        self._rounds.pop(rnd.id, None)
         rnd.stats.total_s = time.perf_counter() - rnd._t0
         rnd.release()
-        return rnd
+        if self._rounds.pop(rnd.id, None) is not None:
+            self._finished.append(rnd)
 
-    def _worker_failed(self, w: WorkerState, why: str, *, closed: bool = False) -> list[Round]:
+    def _worker_failed(self, w: WorkerState, why: str, *, closed: bool = False) -> None:
         """Mark ``w`` unhealthy; if its connection is gone, close it and fail the rounds
         still waiting on it (an unhealthy but connected worker may still answer them)."""
         w.failures += 1
@@ -522,15 +528,13 @@ class WorkerPool:
             for poller, _ in self._watchers:
                 poller.unregister(w.conn)  # before close: its fd number may be reused at once
             w.conn.close()
-        failed = []
         if not closed:
-            return failed
+            return
         for rid in list(w.pending):
             rnd = self._rounds.get(rid)
             w.outstanding_rows -= w.pending.pop(rid)
             if rnd is not None and rnd.error is None:
-                failed.append(self._finish_failed(rnd, WorkerError(f"worker {w.url} failed round {rid}: {why}")))
-        return failed
+                self._finish_failed(rnd, WorkerError(f"worker {w.url} failed round {rid}: {why}"))
 
     # -- time ------------------------------------------------------------------
     def next_deadline(self) -> Optional[float]:
@@ -538,10 +542,9 @@ class WorkerPool:
         return min((r.deadline for r in self._rounds.values()), default=None)
 
     def expire(self, now: Optional[float] = None) -> list[Round]:
-        """Fail the rounds past their deadline; the workers that did not answer become
-        unhealthy (pinged back in by :meth:`tick`)."""
+        """Fail the rounds past their deadline (the workers that did not answer become
+        unhealthy, pinged back in by :meth:`tick`); returns :meth:`take_finished`."""
         now = time.monotonic() if now is None else now
-        failed = []
         for rnd in [r for r in self._rounds.values() if r.deadline <= now]:
             late = [self.workers[w] for w in rnd.rows if w not in rnd.replies]
             for w in late:
@@ -549,9 +552,8 @@ class WorkerPool:
                 w.failures += 1
                 w._next_ping = now + HEALTH_INTERVAL
             names = ", ".join(w.url for w in late)
-            failed.append(self._finish_failed(rnd, WorkerError(
-                f"round {rnd.id}: no reply from {names} within the timeout")))
-        return failed
+            self._finish_failed(rnd, WorkerError(f"round {rnd.id}: no reply from {names} within the timeout"))
+        return self.take_finished()
 
     def tick(self, now: Optional[float] = None) -> None:
         """Ping unhealthy (still connected) workers, so one that recovered comes back."""
@@ -598,6 +600,7 @@ class WorkerPool:
                 break
             for _, w in poller.poll(min(rnd.deadline - now, HEALTH_INTERVAL)):
                 self.on_ready(w)
+        self.take_finished()  # standalone use: the only round in flight is this one
 
     def _own_poller(self) -> Poller:
         if self._poller is None:

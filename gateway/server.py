@@ -282,6 +282,8 @@ class GatewayServer:
                 self._finish(rnd)
             else:
                 self._rounds[rnd.id] = rnd
+            for other in self.pool.take_finished():  # failed by a worker lost while sending
+                self._finish(other)
 
     def _worker_ready(self, w: WorkerState) -> None:
         for rnd in self.pool.on_ready(w):

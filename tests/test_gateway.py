@@ -277,3 +277,33 @@ def test_sigterm_stops_the_gateway_and_its_local_workers(backend, reference):
         assert gw.stop(timeout=20.0) == 0
         assert wait_until(lambda: not any(pid_alive(p) for p in children), timeout=10.0)
     assert shm_entries() - shm_before == set()
+
+
+# -- pure parts, no processes ------------------------------------------------------
+
+def test_choose_replicas_balances_load_and_splits_a_hot_expert():
+    from gateway.pool import choose_replicas
+
+    counts = np.array([100, 30, 0, 10])
+    hosts = {0: [0, 1], 1: [0], 3: [1, 2]}
+    load = np.zeros(3)
+    replicas, shares = choose_replicas(counts, hosts, load, split=True, min_split=8)
+    # expert 1 pinned to w0 first; the hot expert 0 water-fills w0/w1 to one level
+    assert replicas[1] == [0]
+    assert replicas[0] == [0, 1] and shares[0][1] > shares[0][0]
+    assert replicas[3] == [2]  # w2 is idle: the whole of expert 3 goes there
+    assert load.sum() == counts.sum()
+    assert abs(load[0] - load[1]) <= 1e-9
+    whole, wshares = choose_replicas(counts, hosts, np.array([0.0, 50.0, 0.0]), split=False)
+    assert whole[0] == [0] and wshares[0] == [1.0]  # least outstanding rows wins
+
+
+def test_placement_spreads_experts_and_replicas():
+    from gateway.cli import placement
+
+    assert placement(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert placement(8, 3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    two = placement(8, 2, replicas=2)
+    assert two == [list(range(8))] * 2
+    three = placement(6, 3, replicas=2)
+    assert all(sum(e in w for w in three) == 2 for e in range(6))
