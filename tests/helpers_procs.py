@@ -27,6 +27,8 @@ def listen_url(backend: str, tag: str = "s") -> str:
         return "tcp://127.0.0.1:0"
     if backend == "shm":
         return f"shm://moe-test-{os.getpid()}-{tag}{next(_names)}"
+    if backend == "rdma":  # the rxe guest sets the address of its soft-RoCE device
+        return f"rdma://{os.environ.get('MOE_TEST_RDMA_IP', '127.0.0.1')}:0"
     raise ValueError(f"no test URL for backend {backend!r}")
 
 
