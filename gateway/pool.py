@@ -388,7 +388,13 @@ class WorkerPool:
         replicas, shares = choose_replicas(counts, hosts, load, split=self.split_replicas,
                                            min_split=self.min_split)
         # one assignment over the round, so a replicated expert is balanced across requests
-        assign = split_over_replicas(idx, replicas, shares)
+        if all(len(ws) == 1 for ws in replicas.values()):  # no split: a table lookup is enough
+            table = np.zeros(self.n_experts, dtype=np.int64)
+            for e, ws in replicas.items():
+                table[e] = ws[0]
+            assign = np.where(idx >= 0, table[np.maximum(idx, 0)], -1)
+        else:
+            assign = split_over_replicas(idx, replicas, shares)
         at = 0
         n_workers = len(self.workers)
         for r in reqs:
