@@ -1,0 +1,1 @@
+"""Benchmarks: transport microbenchmarks, the MoE layer benchmark and the load generator."""

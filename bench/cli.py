@@ -1,0 +1,30 @@
+"""`moe-bench`: one entry point, one module per subcommand.
+
+Each module exports ``add_arguments(parser)`` and ``run(args) -> int``; adding a
+subcommand is one line in SUBCOMMANDS.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "transport": ("bench.transport_bench", "transport microbenchmarks vs raw mechanisms"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="moe-bench")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, helptext) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=helptext)
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_module=mod)
+    args = parser.parse_args(argv)
+    return int(args._module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
