@@ -26,7 +26,7 @@ $(STAMP): setup.cfg pyproject.toml
 deps: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/moe-bench transport --backend $(BACKEND) --quick
+	$(PY) -m gateway.demo --backend $(BACKEND)
 
 test: $(STAMP)
 	@mkdir -p $(OUT)
