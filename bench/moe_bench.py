@@ -1,0 +1,219 @@
+"""`moe-bench moe`: the distributed MoE layer beside its peers, in one run.
+
+Systems, same weights and router, same batches, interleaved round by round:
+- reference-1t / reference-2t: the in-process ReferenceMoE with one and two BLAS threads
+  (the compute floor; the 2-core ceiling is twice the one-thread rate);
+- multiprocessing: two worker processes fed through multiprocessing pipes (the peer a
+  user would write first);
+- moe-transport: real `moe-worker` processes driven by the gateway's WorkerPool, per backend.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+FULL = dict(d_model=1024, d_ff=2048, batch=256)
+QUICK = dict(d_model=256, d_ff=512, batch=128)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", action="append", choices=["shm", "tcp", "rdma"], help="repeatable; default shm and tcp")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--batches", type=int, default=6, help="batches per system per round")
+    p.add_argument("--n-experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--d-model", type=int)
+    p.add_argument("--d-ff", type=int)
+    p.add_argument("--batch", type=int, help="tokens per batch")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="small dims for a smoke run")
+    p.add_argument("--json", metavar="PATH")
+
+
+# -- the multiprocessing-pipe peer ---------------------------------------------------
+def _mp_worker(conn, experts: list[int], d_model: int, d_ff: int, seed: int, max_rows: int) -> None:
+    from threadpoolctl import threadpool_limits
+    from workers.expert import SwiGLUExpert
+    threadpool_limits(1)
+    ex = {e: SwiGLUExpert.from_seed(e, d_model, d_ff, seed=seed, max_tokens=max_rows) for e in experts}
+    buf = bytearray(max_rows * d_model * 4)
+    out = np.empty((max_rows, d_model), np.float32)
+    while True:
+        groups = conn.recv()
+        if groups is None:
+            return
+        n = conn.recv_bytes_into(buf) // (4 * d_model)
+        x = np.frombuffer(buf, np.float32, n * d_model).reshape(n, d_model)
+        for e, start, count in groups:
+            ex[e].forward(x[start:start + count], out[start:start + count])
+        conn.send_bytes(out[:n])
+
+
+class MultiprocessingPeer:
+    def __init__(self, router, n_workers: int, d_model: int, d_ff: int, seed: int, max_rows: int):
+        from gateway.dispatch import DispatchPlan
+        self.router, self.plan_cls = router, DispatchPlan
+        n_exp = router.n_experts
+        self.owner = [e * n_workers // n_exp for e in range(n_exp)]
+        ctx = mp.get_context("fork")
+        self.conns, self.procs = [], []
+        for w in range(n_workers):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=_mp_worker, args=(b, [e for e in range(n_exp) if self.owner[e] == w],
+                                                     d_model, d_ff, seed, max_rows), daemon=True)
+            p.start()
+            self.conns.append(a)
+            self.procs.append(p)
+        self.n_workers = n_workers
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        r = self.router.route(x)
+        plan = self.plan_cls.build(r.topk_idx, r.topk_weights, self.owner, self.n_workers)
+        for w, c in enumerate(self.conns):  # send to all before waiting
+            c.send(plan.groups(w))
+            c.send_bytes(plan.gather(x, w))
+        outs = []
+        for w, c in enumerate(self.conns):
+            if not c.poll(60):
+                raise TimeoutError("multiprocessing worker did not answer")
+            outs.append(np.frombuffer(c.recv_bytes(), np.float32).reshape(-1, x.shape[1]))
+        return plan.combine(outs, np.empty_like(x))
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                c.send(None)
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+
+
+# -- moe-transport: real worker processes ---------------------------------------------
+class TransportSystem:
+    def __init__(self, backend: str, router, n_workers: int, d_model: int, d_ff: int, seed: int, batch: int):
+        from gateway.pool import WorkerPool
+        from workers.cli import blas_env, spawn_service, worker_argv
+        n_exp = router.n_experts
+        self.procs, urls = [], []
+        for w in range(n_workers):
+            listen = {"shm": f"shm://moe-bench-{uuid.uuid4().hex[:8]}", "tcp": "tcp://127.0.0.1:0",
+                      "rdma": f"rdma://{os.environ.get('MOE_RDMA_IP', '10.0.2.15')}:0"}[backend]
+            experts = [e for e in range(n_exp) if e * n_workers // n_exp == w]
+            proc, url = spawn_service(worker_argv(listen, experts, d_model=d_model, d_ff=d_ff, seed=seed,
+                                                  max_tokens=batch * router.top_k), env=blas_env(1), timeout=60)
+            self.procs.append(proc)
+            urls.append(url)
+        self.pool = WorkerPool(urls, router, max_batch_tokens=batch, timeout=60)
+        self.stages: list[dict] = []
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        y, st = self.pool.forward(x)
+        self.stages.append(st.as_dict())
+        return y
+
+    def close(self) -> None:
+        from workers.cli import stop_process
+        self.pool.close()
+        for p in self.procs:
+            stop_process(p)
+
+
+def _pct(a: list[float]) -> tuple[float, float]:
+    arr = np.asarray(a) * 1e3
+    return float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
+
+
+def run(args: argparse.Namespace) -> int:
+    from threadpoolctl import threadpool_limits
+    from gateway.reference import ReferenceMoE
+
+    dims = dict(QUICK if args.quick else FULL)
+    for k in ("d_model", "d_ff", "batch"):
+        if getattr(args, k) is not None:
+            dims[k] = getattr(args, k)
+    d, dff, batch = dims["d_model"], dims["d_ff"], dims["batch"]
+    backends = args.backend or ["shm", "tcp"]
+    ref = ReferenceMoE.from_seed(d, dff, args.n_experts, args.top_k, seed=args.seed)
+    rng = np.random.default_rng(args.seed)
+    xs = [rng.standard_normal((batch, d)).astype(np.float32) for _ in range(args.batches)]
+    print(f"config: {args.n_experts} experts, top-{args.top_k}, d_model {d}, d_ff {dff}, "
+          f"{batch}-token batches, {args.workers} workers; {args.rounds} rounds x {args.batches} batches")
+
+    systems: dict[str, Any] = {}
+    with threadpool_limits(1):  # the gateway side stays on one BLAS thread
+        systems["multiprocessing"] = MultiprocessingPeer(ref.router, args.workers, d, dff, args.seed, batch * args.top_k)
+    for b in backends:
+        systems[f"moe-transport/{b}"] = TransportSystem(b, ref.router, args.workers, d, dff, args.seed, batch)
+    lat: dict[str, list[float]] = {"reference-1t": [], "reference-2t": [], **{k: [] for k in systems}}
+    try:
+        expect = ref.forward(xs[0])[0]
+        for name, sys_ in systems.items():  # every system computes the same layer
+            got = sys_.forward(xs[0])
+            err = float(np.max(np.abs(got - expect)))
+            if err > 1e-3 * max(1.0, float(np.max(np.abs(expect)))):
+                raise AssertionError(f"{name} disagrees with the reference (max abs err {err})")
+        for r in range(args.rounds):
+            for name in lat:
+                for x in xs:
+                    t0 = time.perf_counter()
+                    if name.startswith("reference"):
+                        with threadpool_limits(1 if name.endswith("1t") else 2):
+                            ref.forward(x)
+                    else:
+                        with threadpool_limits(1):
+                            systems[name].forward(x)
+                    lat[name].append(time.perf_counter() - t0)
+            print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{n} {batch * args.batches / sum(v[-args.batches:]):.0f} tok/s" for n, v in lat.items()), flush=True)
+        stage_ms = {}
+        for name, s in systems.items():
+            if isinstance(s, TransportSystem) and s.stages:
+                keys = ("route_s", "dispatch_s", "compute_s", "wait_s", "combine_s", "total_s")
+                stage_ms[name] = {k[:-2]: float(np.median([st[k] for st in s.stages[1:]])) * 1e3 for k in keys}
+    finally:
+        for s in systems.values():
+            s.close()
+
+    results = []
+    for name, v in lat.items():
+        p50, p99 = _pct(v)
+        system, _, backend = name.partition("/")
+        results.append({"system": system, "backend": backend or ("inproc" if system.startswith("reference") else "pipe"),
+                        "tokens_per_s": batch * len(v) / sum(v), "p50_ms": p50, "p99_ms": p99,
+                        "stage_ms": stage_ms.get(name, {})})
+    by = {(r["system"], r["backend"]): r for r in results}
+    ceiling = 2 * by[("reference-1t", "inproc")]["tokens_per_s"]
+    mpr = by[("multiprocessing", "pipe")]["tokens_per_s"]
+    ratios = {}
+    print(f"\n{'system':<16} {'backend':<8} {'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    for r in results:
+        print(f"{r['system']:<16} {r['backend']:<8} {r['tokens_per_s']:9.0f} {r['p50_ms']:8.1f} {r['p99_ms']:8.1f}")
+    print(f"\n2-core ceiling (2 x reference-1t): {ceiling:.0f} tokens/s")
+    for b in backends:
+        r = by[("moe-transport", b)]
+        st = r["stage_ms"]
+        share = max(0.0, st["wait"] - st["compute"]) / st["total"] if st.get("total") else None
+        ratios[b] = {"vs_ceiling": r["tokens_per_s"] / ceiling, "vs_multiprocessing": r["tokens_per_s"] / mpr,
+                     "transport_share_of_p50": share}
+        print(f"{b}: {ratios[b]['vs_ceiling']:.2f}x the ceiling, {ratios[b]['vs_multiprocessing']:.2f}x multiprocessing; "
+              f"transport share of the batch {100 * share:.1f}%  stages(ms) " +
+              " ".join(f"{k}={v:.2f}" for k, v in st.items()))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"meta": {"config": dims | {"n_experts": args.n_experts, "top_k": args.top_k,
+                                                  "workers": args.workers, "rounds": args.rounds}},
+                       "results": results, "ceiling_tokens_per_s": ceiling, "ratios": ratios}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
