@@ -124,34 +124,6 @@ def debian_mirror():
     raise SystemExit("rxe: no Debian bookworm mirror found in /etc/apt/sources.list*")
 
 
-def kernel_package():
-    """(package, version) of the kernel behind linux-image-amd64."""
-    out = _sh(["apt-cache", "depends", "linux-image-amd64"], capture_output=True, text=True).stdout
-    m = re.search(r"Depends:\s*(linux-image-[0-9][\w.+-]*-amd64)", out)
-    if not m:
-        _sh(["apt-get", "update", "-q"] if os.geteuid() == 0 else ["sudo", "apt-get", "update", "-q"])
-        out = _sh(["apt-cache", "depends", "linux-image-amd64"], capture_output=True, text=True).stdout
-        m = re.search(r"Depends:\s*(linux-image-[0-9][\w.+-]*-amd64)", out)
-    if not m:
-        raise SystemExit("rxe: cannot find the linux-image-6.1 package (apt-cache depends linux-image-amd64)")
-    pkg = m.group(1)
-    pol = _sh(["apt-cache", "policy", pkg], capture_output=True, text=True).stdout
-    v = re.search(r"Candidate:\s*(\S+)", pol)
-    return pkg, (v.group(1) if v else "?")
-
-
-def available_packages(pkgs):
-    keep = []
-    for p in pkgs:
-        r = subprocess.run(["apt-cache", "show", "--no-all-versions", p],
-                           capture_output=True, text=True)
-        if r.returncode == 0 and r.stdout.strip():
-            keep.append(p)
-        else:
-            log(f"note: {p} not available in {SUITE}; dropped from the image")
-    return keep
-
-
 def module_closure(kroot, kver, mods):
     """Module files (relative to kroot) for mods and their deps, load order."""
     files, seen = [], set()
@@ -249,7 +221,7 @@ def do_build(cache: Path, workdir: Path, kpkg, packages, t0):
     (workdir / "packages.txt").write_text(versions)
 
     _sh(["mkfs.ext4", "-q", "-F", "-L", "rxe-root", "-d", str(rootfs),
-         str(workdir / "rootfs.ext4"), IMAGE_SIZE])
+         str(workdir / "rootfs.ext4"), IMAGE_SIZE], stdout=subprocess.DEVNULL)
     log("rootfs.ext4 built", t0)
 
     # Tiny busybox initramfs: load virtio_blk + ext4, switch_root.
@@ -287,6 +259,36 @@ def log(msg, t0=None):
     print(f"rxe: {t}{msg}", file=sys.stderr, flush=True)
 
 
+def key_inputs(packages):
+    """(kernel package, its version, the packages bookworm has) from two apt-cache calls."""
+    def depends():
+        out = subprocess.run(["apt-cache", "depends", "linux-image-amd64"],
+                             capture_output=True, text=True).stdout
+        return re.search(r"Depends:\s*(linux-image-[0-9][\w.+-]*-amd64)", out)
+    m = depends()
+    if not m:
+        _sh(([] if os.geteuid() == 0 else ["sudo"]) + ["apt-get", "update", "-q"])
+        m = depends()
+    if not m:
+        raise SystemExit("rxe: cannot find the linux-image-6.1 package (apt-cache depends linux-image-amd64)")
+    kpkg = m.group(1)
+    out = subprocess.run(["apt-cache", "policy", kpkg] + list(packages),
+                         capture_output=True, text=True).stdout
+    cand = {}
+    for block in re.split(r"\n(?=\S)", out):
+        name = block.split(":", 1)[0].strip()
+        v = re.search(r"Candidate:\s*(\S+)", block)
+        if v and v.group(1) != "(none)":
+            cand[name] = v.group(1)
+    keep = []
+    for p in packages:
+        if p in cand:
+            keep.append(p)
+        else:
+            log(f"note: {p} not available in {SUITE}; dropped from the image")
+    return kpkg, cand.get(kpkg, "?"), keep
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("MOE_RXE_CACHE") or Path.home() / ".cache/moe-transport/rxe")
 
@@ -295,8 +297,7 @@ def build() -> Path:
     """Build or reuse the cached image; returns its directory."""
     t0 = time.monotonic()
     ensure_host_tools()
-    kpkg, kver = kernel_package()
-    packages = available_packages(GUEST_PACKAGES)
+    kpkg, kver, packages = key_inputs(GUEST_PACKAGES)
     key = build_key(kpkg, kver, packages)
     cache = cache_dir()
     final = cache / f"image-{key}"
