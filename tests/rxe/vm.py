@@ -50,6 +50,7 @@ GUEST_PACKAGES = [
     "ibverbs-utils", "perftest", "iproute2", "kmod", "python3-numpy",
     "python3-msgpack", "python3-pytest", "procps", "python3-threadpoolctl",
     "python3-prometheus-client",
+    "python3-pytest-timeout",  # setup.cfg sets `timeout = 300` for pytest
 ]
 # Modules the guest loads (plus their dependency closure). crc32_generic: rdma_rxe
 # requests the "crc32" crypto algorithm at link time and modprobe does not list it.
@@ -346,6 +347,7 @@ def run(cmd: list[str], timeout: float = 1200, out: str | None = None, quiet_boo
     image = build()
     t0 = time.monotonic()
     jobdir = Path(tempfile.mkdtemp(prefix="moe-rxe-job-"))
+    proc = None
     try:
         (jobdir / "out").mkdir()
         (jobdir / "cmd").write_text("exec " + shlex.join(cmd) + "\n")
@@ -436,6 +438,9 @@ def run(cmd: list[str], timeout: float = 1200, out: str | None = None, quiet_boo
         log(f"command exited {rc}", t0)
         return rc
     finally:
+        if proc is not None and proc.poll() is None:  # e.g. Ctrl-C: never leave qemu behind
+            proc.kill()
+            proc.wait()
         shutil.rmtree(jobdir, ignore_errors=True)
 
 
