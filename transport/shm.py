@@ -48,6 +48,9 @@ _PREFIX = framing.PREFIX
 _MAGIC, _VERSION = framing.MAGIC, framing.VERSION
 _FD_MSG = b"F"
 _pack = msgpack.Packer(use_bin_type=True).pack
+_unpackb = msgpack.unpackb
+_REC = struct.Struct("<I4x2sBBIQ")  # ring record length + framing prefix, packed at once
+_MAX_HEADER, _MAX_BUFFERS = framing.MAX_HEADER, framing.MAX_BUFFERS
 
 
 def _sock_name(name: str) -> str:
@@ -165,7 +168,8 @@ class ShmConnection(Connection):
         self._in = RecordReader(peer_seg.ring, peer_seg.words)
         self._returns = ReturnReader(seg.ret, seg.words)
         self._give_back = ReturnWriter(peer_seg.ret, peer_seg.words)
-        self._fence = Fence()
+        fence = Fence()
+        self._acq, self._rel = fence._lock.acquire, fence._lock.release  # inlined: hot path
         # receive side: read-only views into the peer's pool (the sender's very slots)
         self._recv_slot_size, self._recv_nslots = slot_size, nslots
         self._recv_stride = peer_seg.layout.stride
@@ -221,32 +225,40 @@ class ShmConnection(Connection):
     def recv(self, timeout: Optional[float] = None) -> Message:
         if self._closed:
             raise ConnectionClosed(f"{self.url}: connection is closed")
+        inr = self._in
         try:
-            rec = self._in.pop()
-            if rec is None:
-                rec = self._wait_record(timeout)
-            return self._decode(rec)
+            n = inr.peek()
+            if n < 0:
+                n = self._wait_record(timeout)
+            try:
+                return self._decode(inr.pos, n)
+            finally:
+                inr.advance()  # the record is parsed into Python objects: free its space
+                if self._pw[W_ARMED_SPACE]:  # the peer waits for ring space
+                    self._ring()
         except ProtocolError:
             self._abort()
             raise
 
-    def _wait_record(self, timeout: Optional[float]) -> bytes:
+    def _wait_record(self, timeout: Optional[float]) -> int:
+        """Busy-poll briefly, then sleep on the doorbell; the length of the next record."""
         deadline = Deadline(timeout, self.default_timeout)
-        pop, w = self._in.pop, self._w
-        if deadline.remaining() > 0 and self._peer_gone is None:
+        peek, w = self._in.peek, self._w
+        if timeout != 0 and self._peer_gone is None:
             w[W_ARMED_DATA] = 0  # spinning: the peer need not ring
             end = time.perf_counter() + SPIN
             while time.perf_counter() < end:
-                rec = pop()
-                if rec is not None:
+                n = peek()
+                if n >= 0:
                     w[W_ARMED_DATA] = 1
-                    return rec
+                    return n
             w[W_ARMED_DATA] = 1
         while True:
-            self._fence()  # armed (store) before the ring is re-read (load): Dekker
-            rec = pop()
-            if rec is not None:
-                return rec
+            self._acq()  # full fence: "armed" (store) before the ring is re-read (load)
+            self._rel()
+            n = peek()
+            if n >= 0:
+                return n
             if self._peer_gone is not None:
                 raise closed_error(self, self._peer_gone)
             if deadline.expired():
@@ -256,51 +268,62 @@ class ShmConnection(Connection):
                 continue
             self._sleep(deadline)
 
-    def _decode(self, rec: bytes) -> Message:
-        if len(rec) < 16:
-            raise ProtocolError(f"ring record of {len(rec)} bytes is shorter than a prefix")
-        kind, hlen, plen = framing.decode_prefix(rec[:16], max_payload=self._recv_slot_size)
-        self._space_freed()
-        if kind == _DATA:
-            if len(rec) != 16 + hlen:
-                raise ProtocolError("shm DATA record carries inline bytes")
-            user, lens, extra = framing.decode_header(rec[16:], plen)
-            nb = len(lens)
-            if type(extra) is not list or len(extra) != 2 * nb:
-                raise ProtocolError("shm DATA record without slot descriptors")
-            bufs = []
-            ids = []
-            mem, stride, size, nslots = self._recv_mem, self._recv_stride, self._recv_slot_size, self._recv_nslots
-            for i in range(nb):
-                s, off, n = extra[2 * i], extra[2 * i + 1], lens[i]
-                if type(s) is not int or type(off) is not int or not 0 <= s < nslots \
-                        or not 0 <= off <= size - n:
-                    raise ProtocolError(f"buffer {i} outside the peer's slots: slot {s!r} offset {off!r}")
-                base = s * stride + off
-                bufs.append(mem[base : base + n])
-                if s not in ids:
-                    ids.append(s)
-            st = self.stats
-            st.messages_received += 1
-            st.bytes_received += plen
-            return Message(user, bufs, self._releaser(ids) if ids else None)
+    def _decode(self, p: int, n: int) -> Message:
+        """Parse and check the record at ``ring[p:p+n]`` in place; views into the slots."""
+        data = self._in.data
+        if n < 16:
+            raise ProtocolError(f"ring record of {n} bytes is shorter than a prefix")
+        magic, ver, kind, hlen, plen = _PREFIX.unpack_from(data, p)
+        if magic != _MAGIC or ver != _VERSION or kind != _DATA or not 0 < hlen <= _MAX_HEADER \
+                or plen > self._recv_slot_size or n != 16 + hlen:
+            return self._odd_record(bytes(data[p : p + 16]), n)
+        try:
+            obj = _unpackb(data[p + 16 : p + n], raw=False, strict_map_key=False)
+        except Exception as e:  # msgpack raises several unrelated types on garbage
+            raise ProtocolError(f"undecodable header: {e}") from None
+        if type(obj) is not list or len(obj) != 3:
+            raise ProtocolError("header is not [user_header, lengths, extra]")
+        user, lens, extra = obj
+        if type(lens) is not list or type(extra) is not list or len(extra) != 2 * len(lens):
+            raise ProtocolError("shm DATA record without slot descriptors")
+        if len(lens) > _MAX_BUFFERS:
+            raise ProtocolError(f"{len(lens)} buffers exceed the limit of {_MAX_BUFFERS}")
+        mem, stride, size, nslots = self._recv_mem, self._recv_stride, self._recv_slot_size, self._recv_nslots
+        bufs, ids, total = [], [], 0
+        for i, k in enumerate(lens):
+            s, off = extra[2 * i], extra[2 * i + 1]
+            if type(k) is not int or type(s) is not int or type(off) is not int or k < 0 \
+                    or not 0 <= s < nslots or not 0 <= off <= size - k:
+                raise ProtocolError(f"buffer {i} ({k!r} B) outside the peer's slots: slot {s!r} offset {off!r}")
+            total += k
+            base = s * stride + off
+            bufs.append(mem[base : base + k])
+            if s not in ids:
+                ids.append(s)
+        if total != plen:
+            raise ProtocolError(f"buffer lengths sum to {total}, prefix says {plen}")
+        st = self.stats
+        st.messages_received += 1
+        st.bytes_received += plen
+        return Message(user, bufs, self._releaser(ids) if ids else None)
+
+    def _odd_record(self, prefix: bytes, n: int) -> Message:
+        """Not a plain DATA record: CLOSE, or garbage explained by framing's own checks."""
+        kind, hlen, _ = framing.decode_prefix(prefix, max_payload=self._recv_slot_size)
         if kind == _CLOSE:
             self._peer_gone = "peer closed the connection"
             raise closed_error(self, self._peer_gone)
+        if kind == _DATA:
+            raise ProtocolError(f"shm DATA record of {n} bytes for a {hlen}-byte header")
         raise ProtocolError(f"unexpected {Kind(kind).name} frame on an shm ring")
-
-    def _space_freed(self) -> None:
-        """We consumed a record: wake the peer if it waits for ring space."""
-        if self._pw[W_ARMED_SPACE]:
-            self._fence()
-            self._ring()
 
     def _releaser(self, ids: list):
         def release() -> None:
             if self._closed:
                 return
             self._give_back.push(ids)
-            self._fence()  # published the returns (store) before reading "armed" (load)
+            self._acq()  # full fence: returns published (store) before "armed" is read (load)
+            self._rel()
             if self._pw[W_ARMED_SPACE]:
                 self._ring()
         return release
@@ -325,7 +348,8 @@ class ShmConnection(Connection):
         w[W_ARMED_SPACE] = 1
         try:
             while True:
-                self._fence()
+                self._acq()  # full fence: "armed" (store) before the re-check (loads)
+                self._rel()
                 if ready():
                     return
                 if self._peer_gone is not None:
@@ -351,60 +375,85 @@ class ShmConnection(Connection):
         return slot
 
     def alloc(self, nbytes: int, timeout: Optional[float] = None) -> Slot:
-        self._check_usable()
+        if self._closed or self._peer_gone is not None:
+            self._check_usable()
         if not 0 <= nbytes <= self.max_message:
             raise ValueError(f"{nbytes} bytes exceed the peer's largest message ({self.max_message})")
-        return self._alloc_slot(Deadline(timeout, self.default_timeout)).resize(nbytes)
+        slot = self.send_pool.try_alloc()
+        if slot is None:
+            slot = self._alloc_slot(Deadline(timeout, self.default_timeout))
+        slot.nbytes = nbytes
+        return slot
 
     def send(self, header: Any, buffers: Sequence = (), timeout: Optional[float] = None) -> None:
         pool = self.send_pool
-        owned = [b for b in buffers if type(b) is Slot and b.pool is pool]
+        deadline = None
+        if len(buffers) == 1 and type(buffers[0]) is Slot and buffers[0].pool is pool:
+            b = buffers[0]  # the hot path: one slot from alloc()
+            owned = [b]
+            total = b.nbytes
+            lens, extra = [total], [b.index, 0]
+        elif not buffers:
+            owned, total, lens, extra = [], 0, [], []
+        else:
+            owned = [b for b in buffers if type(b) is Slot and b.pool is pool]
+            lens = None
         try:
-            self._check_usable()
-            lens, extra, others = [], [], []
-            for b in buffers:
-                if type(b) is Slot and b.pool is pool:
-                    lens.append(b.nbytes)
-                    extra.append(b.index)
-                    extra.append(0)
-                else:
-                    mv = memoryview(b)
-                    if mv.ndim != 1 or mv.itemsize != 1:
-                        mv = mv.cast("B")
-                    others.append((len(lens), mv))
-                    lens.append(mv.nbytes)
-                    extra.append(-1)
-                    extra.append(0)
-            total = sum(lens)
-            if total > self.max_message:
-                raise ValueError(f"message of {total} bytes exceeds the peer's limit of {self.max_message}")
-            if len(lens) > framing.MAX_BUFFERS:
-                raise ValueError(f"{len(lens)} buffers exceed the limit of {framing.MAX_BUFFERS}")
-            deadline = Deadline(timeout, self.default_timeout)
-            if others:
-                self._stage(others, extra, owned, deadline)
+            if self._closed or self._peer_gone is not None:
+                self._check_usable()
+            if lens is None:
+                deadline = Deadline(timeout, self.default_timeout)
+                lens, extra, total = self._describe(buffers, owned, deadline)
             try:  # not framing.encode_header: it turns a None header into {}
                 head = _pack([header, lens, extra])
             except (TypeError, ValueError, OverflowError) as e:
                 raise TypeError(f"header is not msgpack-serialisable: {e}") from None
-            if len(head) > framing.MAX_HEADER:
-                raise ValueError(f"header of {len(head)} bytes exceeds the limit of {framing.MAX_HEADER}")
-            prefix = _PREFIX.pack(_MAGIC, _VERSION, _DATA, len(head), total)
-            old = self._out.push(prefix, head)
+            hlen = len(head)
+            if hlen > _MAX_HEADER:
+                raise ValueError(f"header of {hlen} bytes exceeds the limit of {_MAX_HEADER}")
+            rec = _REC.pack(16 + hlen, _MAGIC, _VERSION, _DATA, hlen, total) + head
+            out = self._out
+            old = out.push_framed(rec)
             if old is None:
-                self._wait_space(lambda: self._peer_gone is None and self._out.push(prefix, head) is not None
-                                 or False, deadline, "waiting for ring space")
-                old = -1  # the ring was full, so the peer is not idle: no need to ring
+                self._wait_space(lambda: self._peer_gone is None and out.push_framed(rec) is not None,
+                                 deadline or Deadline(timeout, self.default_timeout),
+                                 "waiting for ring space")
+                old = -1  # the ring was full, so the peer is busy: no need to ring
         except BaseException:
             for s in owned:  # the slots belong to the transport even when send raises
                 s.release()
             raise
-        self._fence()  # published the tail (store) before reading "armed" (load)
-        if self._pw[W_ARMED_DATA] and old >= 0 and self._out.empty_for_peer(old):
+        self._acq()  # full fence: the tail (store) before "armed" and the head (loads)
+        self._rel()
+        if self._pw[W_ARMED_DATA] and old >= 0 and out.empty_for_peer(old):
             self._ring()
         st = self.stats
         st.messages_sent += 1
         st.bytes_sent += total
+
+    def _describe(self, buffers: Sequence, owned: list, deadline: Deadline) -> tuple:
+        """lens and slot descriptors of a general message, unregistered buffers staged."""
+        pool = self.send_pool
+        lens, extra, others = [], [], []
+        for b in buffers:
+            if type(b) is Slot and b.pool is pool:
+                lens.append(b.nbytes)
+                extra += (b.index, 0)
+            else:
+                mv = memoryview(b)
+                if mv.ndim != 1 or mv.itemsize != 1:
+                    mv = mv.cast("B")
+                others.append((len(lens), mv))
+                lens.append(mv.nbytes)
+                extra += (-1, 0)
+        total = sum(lens)
+        if total > self.max_message:
+            raise ValueError(f"message of {total} bytes exceeds the peer's limit of {self.max_message}")
+        if len(lens) > _MAX_BUFFERS:
+            raise ValueError(f"{len(lens)} buffers exceed the limit of {_MAX_BUFFERS}")
+        if others:
+            self._stage(others, extra, owned, deadline)
+        return lens, extra, total
 
     def _stage(self, others: list, extra: list, owned: list, deadline: Deadline) -> None:
         """Copy unregistered buffers into send slots, packed (64-byte aligned) into as few
@@ -426,7 +475,8 @@ class ShmConnection(Connection):
     def _send_raw(self, frame: bytes) -> None:
         if self._out.push(frame) is None:
             raise Timeout("ring full")
-        self._fence()
+        self._acq()
+        self._rel()
         self._ring()
 
     # -- lifecycle ------------------------------------------------------------------
@@ -462,7 +512,8 @@ class ShmConnection(Connection):
         if goodbye and self._peer_gone is None:
             try:
                 if self._out.push(framing.frame_close()) is not None:
-                    self._fence()
+                    self._acq()
+                    self._rel()
                     self._ring()
             except ProtocolError:
                 pass
@@ -474,15 +525,15 @@ class ShmConnection(Connection):
         self._sock.close()
         self._bell.close()
         os.close(self._peer_bell)
+        # drop every view of the segments we made, so that the mappings (and the fds mmap
+        # keeps) go now; one the application still exports (a numpy array over a slot or an
+        # unreleased message) keeps its mapping alive until it is gone
+        for v in [s._mem for s in self.send_pool._slots] + [self.send_pool.memory, self._recv_mem]:
+            try:
+                v.release()
+            except BufferError:
+                pass
         self.send_pool._slots = []
-        try:
-            self.send_pool.memory.release()
-        except BufferError:
-            pass
-        try:
-            self._recv_mem.release()
-        except BufferError:
-            pass
         self._peer_seg.close()
         self._seg.close()
 

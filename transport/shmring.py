@@ -169,11 +169,13 @@ class Segment:
                 v.release()
             except (BufferError, ValueError):
                 pass
-        if self.owned:
-            try:
-                self.mm.close()
-            except BufferError:
-                pass  # exported views remain: the mapping goes with the last of them
+        # also when the mapping is another in-process connection's (owned=False): while
+        # that one is open its views make this a BufferError; if it closed first, its own
+        # close failed on *our* views and we are the last user, so we unmap
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # exported views remain: the mapping goes with the last of them
 
 
 # segments created by this process, by file identity, so an in-process peer maps nothing
@@ -220,6 +222,29 @@ class RecordWriter:
         self.words[W_OUT_TAIL] = self.tail  # publish: x86-TSO orders it after the bytes
         return old
 
+    def push_framed(self, rec) -> Optional[int]:
+        """Like :meth:`push` for a record whose first 8 bytes already hold its length (the
+        hot path packs length and prefix with one struct call)."""
+        need = (len(rec) + 7) & ~7
+        tail = self.tail
+        used = tail - self.words[W_OUT_HEAD]
+        if not 0 <= used <= self.cap:
+            raise ProtocolError("peer corrupted the ring's head")
+        pos = tail & self.mask
+        to_end = self.cap - pos
+        if need > to_end:
+            if self.cap - used < to_end + need:
+                return None
+            _U32.pack_into(self.data, pos, PAD)
+            pos, tail = 0, tail + to_end
+        elif self.cap - used < need:
+            return None
+        self.data[pos : pos + len(rec)] = rec
+        old = self.tail
+        self.tail = tail + need
+        self.words[W_OUT_TAIL] = self.tail  # publish: x86-TSO orders it after the bytes
+        return old
+
     def empty_for_peer(self, old_tail: int) -> bool:
         """Whether the consumer had drained everything before the record at ``old_tail``."""
         return self.words[W_OUT_HEAD] >= old_tail
@@ -230,16 +255,49 @@ class RecordReader:
     Everything the peer wrote is checked before use: a garbage record raises
     ProtocolError and is never read outside the ring."""
 
-    __slots__ = ("data", "words", "head", "cap", "mask")
+    __slots__ = ("data", "words", "head", "cap", "mask", "pos", "next_head")
 
     def __init__(self, data: memoryview, words: memoryview):
         self.data, self.words = data, words
         self.cap = len(data)
         self.mask = self.cap - 1
         self.head = words[W_OUT_HEAD]
+        self.pos = 0
+        self.next_head = self.head
 
     def ready(self) -> bool:
         return self.words[W_OUT_TAIL] != self.head
+
+    def peek(self) -> int:
+        """The length of the next record, which starts at ``data[pos]`` and stays valid
+        until :meth:`advance`; -1 if there is none (so it is parsed in place, no copy)."""
+        head = self.head
+        avail = self.words[W_OUT_TAIL] - head
+        if avail == 0:
+            return -1
+        if not 0 < avail <= self.cap:
+            raise ProtocolError("peer corrupted the ring's tail")
+        pos = head & self.mask
+        n = _U32.unpack_from(self.data, pos)[0]
+        if n == PAD:
+            skip = self.cap - pos
+            if avail <= skip:
+                raise ProtocolError("ring padding with nothing after it")
+            head += skip
+            avail -= skip
+            pos = 0
+            n = _U32.unpack_from(self.data, 0)[0]
+        need = REC_HDR + ((n + 7) & ~7)
+        if need > avail or pos + need > self.cap:
+            raise ProtocolError(f"ring record of {n} bytes overruns the ring")
+        self.pos = pos + REC_HDR
+        self.next_head = head + need
+        return n
+
+    def advance(self) -> None:
+        """Give the space of the record :meth:`peek` returned back to the producer."""
+        self.head = self.next_head
+        self.words[W_OUT_HEAD] = self.head
 
     def pop(self) -> Optional[bytes]:
         """The next record (a copy: the ring space is given back at once), or None."""

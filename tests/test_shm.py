@@ -1,0 +1,276 @@
+"""shm:// specifics the conformance kit cannot see: the SPSC rings on their own (wrap-around,
+full, garbage), the segment's mode and cleanup, fds, and zero copy across processes (the
+receiver sees the sender's later writes to a slot it has not released yet)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+
+import numpy as np
+import pytest
+
+import transport
+from transport import framing
+from transport.errors import ConnectionClosed, ProtocolError
+from transport.framing import Kind
+from transport.shmring import (PAD, W_OUT_HEAD, W_OUT_TAIL, W_RET_TAIL, Layout, RecordReader,
+                               RecordWriter, ReturnReader, ReturnWriter, Segment)
+
+pytestmark = pytest.mark.timeout(60)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _ring(cap: int = 1024):
+    words = memoryview(bytearray(4096)).cast("Q")
+    data = memoryview(bytearray(cap))
+    return RecordWriter(data, words), RecordReader(data, words), words, data
+
+
+def _url() -> str:
+    return f"shm://moe-test-shm-{uuid.uuid4().hex[:12]}"
+
+
+def _shm_entries() -> set:
+    return set(os.listdir("/dev/shm"))
+
+
+def _pair(**opts):
+    opts = {"slot_size": 1 << 16, "nslots": 4, "timeout": 5.0, **opts}
+    url = _url()
+    lst = transport.listen(url, **opts)
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("c", transport.connect(url, **opts)))
+    t.start()
+    try:
+        server = lst.accept(timeout=5)
+    finally:
+        t.join(5)
+    return lst, box["c"], server
+
+
+# -- rings without processes ------------------------------------------------------
+def test_ring_wraps_around_many_times():
+    w, r, words, _ = _ring(1024)
+    rng = np.random.default_rng(1)
+    sent, got = [], []
+    for i in range(3000):
+        rec = bytes(rng.integers(0, 256, int(rng.integers(0, 300)), dtype=np.uint8))
+        if w.push(rec[:5], rec[5:]) is None:  # full: drain a few, then it must fit
+            while (x := r.pop()) is not None:
+                got.append(x)
+            assert w.push(rec[:5], rec[5:]) is not None
+        sent.append(rec)
+        if i % 3 == 0:
+            x = r.pop()
+            if x is not None:
+                got.append(x)
+    while (x := r.pop()) is not None:
+        got.append(x)
+    assert got == sent
+    assert words[W_OUT_TAIL] > 100 * 1024  # the counters went round the ring many times
+
+
+def test_ring_full_and_peek_advance():
+    w, r, _, _ = _ring(256)
+    assert r.pop() is None and r.peek() == -1
+    n = 0
+    while w.push(b"x" * 40) is not None:
+        n += 1
+    assert n == 256 // 48
+    assert r.peek() == 40 and r.peek() == 40  # peek does not consume
+    r.advance()
+    assert w.push(b"y" * 40) is not None  # space came back
+
+
+def test_ring_garbage_raises_protocol_error():
+    w, r, words, data = _ring(256)
+    w.push(b"hello")
+    data[0:4] = (10_000).to_bytes(4, "little")  # a length past the ring
+    with pytest.raises(ProtocolError):
+        r.pop()
+    w2, r2, words2, data2 = _ring(256)
+    words2[W_OUT_TAIL] = 10_000  # a tail more than a ring ahead
+    with pytest.raises(ProtocolError):
+        r2.pop()
+    w3, r3, words3, data3 = _ring(256)
+    data3[0:4] = PAD.to_bytes(4, "little")  # padding with nothing after it
+    words3[W_OUT_TAIL] = 8
+    with pytest.raises(ProtocolError):
+        r3.pop()
+    w4, r4, words4, _ = _ring(256)
+    words4[W_OUT_HEAD] = 5000  # the consumer claims more than was written
+    with pytest.raises(ProtocolError):
+        w4.push(b"x")
+
+
+def test_return_ring():
+    words = memoryview(bytearray(4096)).cast("Q")
+    ids = memoryview(bytearray(4 * 8)).cast("I")
+    wr, rd = ReturnWriter(ids, words), ReturnReader(ids, words)
+    for rnd in range(20):
+        wr.push([rnd % 8, (rnd + 3) % 8])
+        assert rd.drain() == [rnd % 8, (rnd + 3) % 8]
+    assert rd.drain() == []
+    wr.push(list(range(8)))
+    with pytest.raises(ProtocolError):
+        wr.push([0])  # more than the ring (the peer's pool) holds
+    words[W_RET_TAIL] = words[W_RET_TAIL] + 100
+    with pytest.raises(ProtocolError):
+        rd.drain()
+
+
+# -- the segment --------------------------------------------------------------------
+def test_segment_mode_0600_and_never_named():
+    before = _shm_entries()
+    seg, fd = Segment.create(Layout(1 << 18, 8, 4096, 8, 4096))
+    try:
+        st = os.fstat(fd)
+        assert st.st_mode & 0o777 == 0o600
+        assert st.st_nlink == 0  # unlinked already: nothing in /dev/shm to leak
+        assert _shm_entries() == before
+        assert st.st_size == seg.layout.total
+    finally:
+        os.close(fd)
+        seg.close()
+
+
+def test_no_fd_or_segment_leak():
+    fds_before = set(os.listdir("/proc/self/fd"))
+    before = _shm_entries()
+    for _ in range(5):
+        lst, c, s = _pair()
+        slot = c.alloc(10)
+        c.send({"a": 1}, [slot])
+        m = s.recv(timeout=5)
+        m.release()
+        c.close()
+        s.close()
+        lst.close()
+    assert _shm_entries() == before
+    assert set(os.listdir("/proc/self/fd")) == fds_before
+
+
+def test_in_process_pair_shares_the_slot():
+    lst, c, s = _pair()
+    try:
+        slot = c.alloc(4096)
+        a = np.frombuffer(slot.buf, np.uint8)
+        a[:] = 7
+        c.send("x", [slot])
+        with s.recv(timeout=5) as m:
+            got = np.frombuffer(m.buffers[0], np.uint8)
+            assert np.shares_memory(got, a)
+            assert not got.flags.writeable  # the peer's memory: read-only for us
+            del got
+        del a
+    finally:
+        c.close(), s.close(), lst.close()
+
+
+def test_slot_descriptor_outside_the_segment_is_rejected():
+    for extra in ([4, 0], [0, 1 << 16], [-1, 0], ["a", 0], None, [0]):
+        lst, c, s = _pair()
+        try:
+            head = framing._packer.pack([{}, [16], extra])
+            c._send_raw(framing.encode_prefix(Kind.DATA, len(head), 16) + head)
+            with pytest.raises(ProtocolError):
+                s.recv(timeout=5)
+            assert s.closed
+            with pytest.raises(ConnectionClosed):
+                c.recv(timeout=5)
+        finally:
+            c.close(), s.close(), lst.close()
+
+
+def test_staged_buffers_share_one_slot():
+    lst, c, s = _pair(nslots=2)
+    try:
+        c.send("many", [bytes([i]) * 10 for i in range(40)])  # 40 buffers, 2 slots
+        assert c.stats.copies == 40
+        with s.recv(timeout=5) as m:
+            assert [bytes(b) for b in m.buffers] == [bytes([i]) * 10 for i in range(40)]
+    finally:
+        c.close(), s.close(), lst.close()
+
+
+# -- across processes -------------------------------------------------------------
+CHILD = textwrap.dedent("""
+    import sys, numpy as np, transport
+    conn = transport.connect(sys.argv[1], slot_size=1 << 16, nslots=4, timeout=10)
+    slot = conn.alloc(4096)
+    a = np.frombuffer(slot.buf, np.uint8)
+    a[:] = 1
+    conn.send({"step": 1}, [slot])
+    print("sent", flush=True)
+    sys.stdin.readline()          # the receiver holds the message, unreleased
+    a[:] = 2                      # write the slot *after* sending it
+    print("written", flush=True)
+    sys.stdin.readline()
+    conn.close()
+""")
+
+
+def _child(url: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHILD, url], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def test_cross_process_zero_copy():
+    before = _shm_entries()
+    url = _url()
+    with transport.listen(url, slot_size=1 << 16, nslots=4, timeout=10) as lst:
+        p = _child(url)
+        try:
+            conn = lst.accept(timeout=10)
+            assert p.stdout.readline().strip() == b"sent"
+            msg = conn.recv(timeout=10)
+            view = np.frombuffer(msg.buffers[0], np.uint8)
+            assert (view == 1).all()
+            p.stdin.write(b"go\n")
+            p.stdin.flush()
+            assert p.stdout.readline().strip() == b"written"
+            # no copy anywhere: the bytes we hold *are* the sender's slot
+            assert (view == 2).all()
+            del view
+            msg.release()
+            p.stdin.write(b"bye\n")
+            p.stdin.flush()
+            with pytest.raises(ConnectionClosed):
+                conn.recv(timeout=10)
+            assert p.wait(10) == 0
+            conn.close()
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    assert _shm_entries() == before
+
+
+def test_sigkilled_peer_leaves_nothing():
+    before = _shm_entries()
+    url = _url()
+    with transport.listen(url, slot_size=1 << 16, nslots=4, timeout=10) as lst:
+        p = _child(url)
+        try:
+            conn = lst.accept(timeout=10)
+            assert p.stdout.readline().strip() == b"sent"
+            msg = conn.recv(timeout=10)
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(10)
+            with pytest.raises(ConnectionClosed):
+                conn.recv(timeout=5)
+            assert (np.frombuffer(msg.buffers[0], np.uint8) == 1).all()  # still mapped
+            msg.release()
+            with pytest.raises(ConnectionClosed):
+                conn.alloc(10, timeout=1)
+            conn.close()
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    assert _shm_entries() == before
