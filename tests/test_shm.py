@@ -274,3 +274,70 @@ def test_sigkilled_peer_leaves_nothing():
                 p.kill()
                 p.wait(10)
     assert _shm_entries() == before
+
+
+# -- benchmark (measured, never asserted): python -m tests.test_shm ------------------
+def _echo(url: str, slot_size: int) -> None:
+    conn = transport.connect(url, slot_size=slot_size, nslots=4)
+    while True:
+        m = conn.recv(timeout=30)
+        if m.header == "stop":
+            break
+        n = m.buffers[0].nbytes
+        m.release()
+        conn.send(0, [conn.alloc(n)])
+    conn.close()
+
+
+def _bare_round_trip(n: int = 100_000) -> float:
+    """The floor: a slot index through a busy-polled shared word, forked peer."""
+    import mmap
+    import time
+    mm = mmap.mmap(-1, 4096)
+    w = memoryview(mm).cast("Q")
+    pid = os.fork()
+    if pid == 0:
+        for i in range(1, n + 1):
+            while w[0] != i:
+                pass
+            w[64] = w[8]
+            w[16] = i
+        os._exit(0)
+    t0 = time.perf_counter()
+    for i in range(1, n + 1):
+        w[8] = i & 7
+        w[0] = i
+        while w[16] != i:
+            pass
+    dt = (time.perf_counter() - t0) / n
+    os.waitpid(pid, 0)
+    return dt
+
+
+def bench() -> None:
+    import time
+    slot = 17 << 20
+    url = _url()
+    with transport.listen(url, slot_size=slot, nslots=4) as lst:
+        p = subprocess.Popen([sys.executable, "-c",
+                              f"from tests.test_shm import _echo; _echo({url!r}, {slot})"],
+                             cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+        conn = lst.accept(timeout=10)
+        print(f"bare busy-polled index round trip: {_bare_round_trip() * 1e6:.2f} us")
+        for n in (64, 4096, 1 << 20, 16 << 20):
+            ts = []
+            for _ in range(20000 if n <= 4096 else 3000):
+                t = time.perf_counter()
+                conn.send(0, [conn.alloc(n)])
+                conn.recv(timeout=10).release()
+                ts.append(time.perf_counter() - t)
+            ts = np.array(ts[len(ts) // 10:]) * 1e6
+            print(f"shm round trip {n:>9} B: median {np.median(ts):6.2f} us, "
+                  f"p10 {np.percentile(ts, 10):6.2f}, p90 {np.percentile(ts, 90):6.2f}")
+        conn.send("stop")
+        p.wait(10)
+        conn.close()
+
+
+if __name__ == "__main__":
+    bench()
