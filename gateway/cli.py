@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--replicas", type=int, default=1, help="local workers: copies of each expert")
     src.add_argument("--worker-threads", type=int, default=1, help="local workers: BLAS threads each")
     src.add_argument("--worker-cpus", default=None, help="local workers: pin worker i to the i-th CPU listed")
-    src.add_argument("--rdma-ip", default="127.0.0.1", help="local workers on rdma: the address to bind")
+    src.add_argument("--rdma-ip", default=os.environ.get("MOE_RDMA_IP", "127.0.0.1"),
+                     help="local workers on rdma: the address to bind (env MOE_RDMA_IP)")
     moe = p.add_argument_group("MoE layer")
     moe.add_argument("--n-experts", type=int, default=8)
     moe.add_argument("--top-k", type=int, default=2)

@@ -28,7 +28,7 @@ def listen_url(backend: str, tag: str = "s") -> str:
     if backend == "shm":
         return f"shm://moe-test-{os.getpid()}-{tag}{next(_names)}"
     if backend == "rdma":  # the rxe guest sets the address of its soft-RoCE device
-        return f"rdma://{os.environ.get('MOE_TEST_RDMA_IP', '127.0.0.1')}:0"
+        return f"rdma://{os.environ.get('MOE_RDMA_IP', '10.0.2.15')}:0"
     raise ValueError(f"no test URL for backend {backend!r}")
 
 
