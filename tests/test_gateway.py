@@ -279,6 +279,20 @@ def test_sigterm_stops_the_gateway_and_its_local_workers(backend, reference):
     assert shm_entries() - shm_before == set()
 
 
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_killed_gateway_takes_its_local_workers_with_it(backend):
+    _require(backend)
+    shm_before = shm_entries()
+    with Services() as services:
+        gw = services.gateway(backend, local_workers=2, d_model=D, d_ff=F, n_experts=E, top_k=K, seed=SEED,
+                              max_batch_tokens=MAX_BATCH)
+        children = gw.children()
+        assert len(children) == 2
+        gw.kill()  # SIGKILL: no chance to stop them itself
+        assert wait_until(lambda: not any(pid_alive(p) for p in children), timeout=10.0)
+    assert shm_entries() - shm_before == set()
+
 # -- pure parts, no processes ------------------------------------------------------
 
 def test_choose_replicas_balances_load_and_splits_a_hot_expert():
