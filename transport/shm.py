@@ -260,6 +260,8 @@ class ShmConnection(Connection):
                 inr.advance()  # the record is parsed into Python objects: free its space
                 if self._pw[W_ARMED_SPACE]:  # the peer waits for ring space
                     self._ring()
+                if self._w[W_RUNG] != self._rung_seen:  # we were rung for this record:
+                    self._clear_bell()  # unread, the fd would stay readable for a Poller
         except ProtocolError:
             self._abort()
             raise
