@@ -1,8 +1,8 @@
 """Soft-RoCE test harness: boot a qemu (TCG) Debian guest with an rxe device.
 
     python -m tests.rxe.vm build
-    python -m tests.rxe.vm run [--timeout S] [--out DIR] -- CMD ARGS...
-    python -m tests.rxe.vm test [--out DIR] [--] [PYTEST ARGS...]
+    python -m tests.rxe.vm run [--timeout S] [--smp N] [--mem MB] [--out DIR] -- CMD ARGS...
+    python -m tests.rxe.vm test [--timeout S] [--smp N] [--mem MB] [--out DIR] [--] [PYTEST ARGS...]
 
 Stdlib only (Python 3.11). See tests/rxe/README.md for how it works and the
 measured timings; the recipe is /work/shared/docs/soft-roce-in-qemu.md.
@@ -10,6 +10,7 @@ measured timings; the recipe is /work/shared/docs/soft-roce-in-qemu.md.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import lzma
@@ -18,6 +19,7 @@ import queue
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -330,10 +332,16 @@ BEGIN = "@@MOE-RXE-BEGIN@@"
 SENTINEL = re.compile(r"^EXIT=(-?\d+)\s*$")
 
 
-def qemu_cmd(image: Path, jobdir: Path):
+def _die_with_parent():
+    # Runs in the qemu child before exec: the kernel SIGKILLs qemu when the harness dies,
+    # even by SIGKILL (CI cancel, OOM killer), where no finally block can run.
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def qemu_cmd(image: Path, jobdir: Path, smp: int = 2, mem: int = 2048):
     return [
         "qemu-system-x86_64", "-accel", "tcg,thread=multi,tb-size=256", "-cpu", "max",
-        "-smp", "2", "-m", "2048", "-nodefaults", "-display", "none", "-serial", "stdio",
+        "-smp", str(smp), "-m", str(mem), "-nodefaults", "-display", "none", "-serial", "stdio",
         "-no-reboot", "-kernel", str(image / "vmlinux"), "-initrd", str(image / "initrd.cpio"),
         "-drive", f"file={image / 'rootfs.ext4'},format=raw,if=virtio,snapshot=on",
         "-device", "virtio-rng-pci",
@@ -343,7 +351,8 @@ def qemu_cmd(image: Path, jobdir: Path):
     ]
 
 
-def run(cmd: list[str], timeout: float = 1200, out: str | None = None, quiet_boot=False) -> int:
+def run(cmd: list[str], timeout: float = 1200, out: str | None = None, quiet_boot=False,
+        smp: int = 2, mem: int = 2048) -> int:
     image = build()
     t0 = time.monotonic()
     jobdir = Path(tempfile.mkdtemp(prefix="moe-rxe-job-"))
@@ -353,8 +362,9 @@ def run(cmd: list[str], timeout: float = 1200, out: str | None = None, quiet_boo
         (jobdir / "cmd").write_text("exec " + shlex.join(cmd) + "\n")
         os.chmod(jobdir, 0o777)
         log(f"booting guest (timeout {timeout:.0f}s): {shlex.join(cmd)}", t0)
-        proc = subprocess.Popen(qemu_cmd(image, jobdir), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(qemu_cmd(image, jobdir, smp, mem), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                preexec_fn=_die_with_parent)
         lines: queue.Queue = queue.Queue()
 
         def reader():
@@ -470,7 +480,8 @@ def summarize(junit: Path) -> tuple[int, int, int]:
     return tests - failed - skipped, failed, skipped
 
 
-def test(pytest_args: list[str], out: str | None, timeout: float) -> int:
+def test(pytest_args: list[str], out: str | None, timeout: float, smp: int = 2,
+         mem: int = 2048) -> int:
     out_dir = Path(out or "build/rdma")
     out_dir.mkdir(parents=True, exist_ok=True)
     junit = out_dir / "junit.xml"
@@ -478,12 +489,18 @@ def test(pytest_args: list[str], out: str | None, timeout: float) -> int:
         junit.unlink()
     if host_rdma_available():
         log("host has an RDMA device: running pytest on the host")
-        rc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
-                             f"--junitxml={junit}"] + pytest_args, cwd=REPO_ROOT).returncode
+        try:
+            rc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                                 f"--junitxml={junit}"] + pytest_args, cwd=REPO_ROOT,
+                                env=dict(os.environ, MOE_JOB_OUT=str(out_dir.resolve())),
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            log(f"TIMEOUT after {timeout:.0f}s: host pytest killed")
+            rc = 124
     else:
         rc = run(["python3", "-m", "pytest", "-p", "no:cacheprovider",
                   "--junitxml=/mnt/job/out/junit.xml"] + pytest_args,
-                 timeout=timeout, out=str(out_dir))
+                 timeout=timeout, out=str(out_dir), smp=smp, mem=mem)
     if not junit.exists():
         print(f"RDMA suite: no junit.xml (pytest exit {rc})", flush=True)
         return rc or 1
@@ -505,15 +522,21 @@ def main(argv=None) -> int:
     pr = sub.add_parser("run", help="run a command in the guest")
     pr.add_argument("--timeout", type=float, default=1200)
     pr.add_argument("--out", help="copy /mnt/job/out here")
+    pr.add_argument("--smp", type=int, default=2)
+    pr.add_argument("--mem", type=int, default=2048, help="guest RAM in MB")
     pt = sub.add_parser("test", help="run pytest in the guest (or on an RDMA host)")
     pt.add_argument("--timeout", type=float, default=1200)
     pt.add_argument("--out", default="build/rdma")
+    pt.add_argument("--smp", type=int, default=2)
+    pt.add_argument("--mem", type=int, default=2048, help="guest RAM in MB")
     # split at the first "--": everything after it belongs to the command
     rest: list[str] = []
     if "--" in argv:
         i = argv.index("--")
         argv, rest = argv[:i], argv[i + 1:]
     args, extra = ap.parse_known_args(argv)
+    # SIGTERM (CI cancel, `timeout`) must unwind through the finally that kills qemu.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rest = extra + rest
     if args.verb == "build":
         build()
@@ -521,8 +544,8 @@ def main(argv=None) -> int:
     if args.verb == "run":
         if not rest:
             ap.error("run: no command given (run -- CMD ARGS)")
-        return run(rest, timeout=args.timeout, out=args.out)
-    return test(rest, args.out, args.timeout)
+        return run(rest, timeout=args.timeout, out=args.out, smp=args.smp, mem=args.mem)
+    return test(rest, args.out, args.timeout, smp=args.smp, mem=args.mem)
 
 
 if __name__ == "__main__":
