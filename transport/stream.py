@@ -92,10 +92,12 @@ class StreamConnection(Connection):
             n = self.sock.recvmsg_into(views)[0]
         except (BlockingIOError, InterruptedError):
             return False
-        except (ConnectionResetError, OSError) as e:
-            self._lost(f"connection reset ({e})")
+        except OSError as e:  # reset: what was already read is still delivered
+            self._peer_gone = f"connection reset ({e})"
+            return False
         if n == 0:
-            self._lost("peer closed the connection")
+            self._peer_gone = "peer closed the connection"
+            return False
         self.stats.bytes_received += n
         while n:
             seg = self._segs[0]
@@ -185,6 +187,12 @@ class StreamConnection(Connection):
         while self._fill():
             pass
 
+    def _pump_one(self) -> None:
+        """Read until one message is complete or nothing more is there (never blocks).
+        Stopping at the first message saves the syscall that would only say EAGAIN."""
+        while not self._inbox and self._fill():
+            pass
+
     def pending(self) -> bool:
         return bool(self._inbox)
 
@@ -196,7 +204,7 @@ class StreamConnection(Connection):
         self._flush_credits()  # about to wait: make sure the peer is not waiting on us
         while True:
             if self._peer_gone is None:
-                self._pump()
+                self._pump_one()
             if self._inbox:
                 return self._inbox.popleft()
             if self._peer_gone is not None:
