@@ -80,10 +80,11 @@ def decode_prefix(
 
 
 def encode_header(user_header: Any, lens: Sequence[int], extra: Any = None) -> bytes:
-    if not user_header and not lens and extra is None:
+    """The msgpack DATA header. ``user_header`` round-trips exactly (None, 0, "" included)."""
+    if type(user_header) is dict and not user_header and not lens and extra is None:
         return _EMPTY_HEADER
     try:
-        return _packer.pack([user_header if user_header is not None else {}, list(lens), extra])
+        return _packer.pack([user_header, lens if type(lens) is list else list(lens), extra])
     except (TypeError, ValueError, OverflowError) as e:
         raise TypeError(f"header is not msgpack-serialisable: {e}") from None
 
