@@ -102,7 +102,7 @@ def decode_header(buf, payload_len: int) -> tuple[Any, list[int], Any]:
         raise ProtocolError(f"{len(lens)} buffers exceed the limit of {MAX_BUFFERS}")
     total = 0
     for n in lens:
-        if not isinstance(n, int) or n < 0:
+        if type(n) is not int or n < 0:  # bool is an int subclass: not a length
             raise ProtocolError(f"bad buffer length {n!r}")
         total += n
     if total != payload_len:

@@ -30,10 +30,12 @@ class Poller:
     def poll(self, timeout: Optional[float]) -> list[tuple[Any, Any]]:
         """Objects that are ready (a message pending or the fd readable), with their data."""
         ready = [(o, d) for o, d in self._objs.values() if getattr(o, "pending", lambda: False)()]
-        if ready:
-            return ready
-        events = self._sel.select(timeout)
-        return [self._objs[key.fd] for key, _ in events if key.fd in self._objs]
+        # with messages already pending, still look (without waiting) at the fds, so a
+        # connection that always has one buffered cannot starve the others
+        events = self._sel.select(0 if ready else timeout)
+        seen = {id(o) for o, _ in ready}
+        return ready + [self._objs[key.fd] for key, _ in events
+                        if key.fd in self._objs and id(self._objs[key.fd][0]) not in seen]
 
     def close(self) -> None:
         self._sel.close()

@@ -24,6 +24,22 @@ def buffer_address(buf) -> int:
     return np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0]
 
 
+def buffer_extent(buf) -> tuple[int, int]:
+    """[low, high) addresses of the bytes a buffer touches, strided views included."""
+    mv = memoryview(buf)
+    if mv.contiguous:
+        a = buffer_address(mv)
+        return a, a + mv.nbytes
+    arr = np.asarray(mv)
+    low = high = arr.__array_interface__["data"][0]
+    for n, stride in zip(arr.shape, arr.strides):
+        if stride < 0:
+            low += stride * (n - 1)
+        else:
+            high += stride * (n - 1)
+    return low, high + arr.itemsize
+
+
 def round_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
@@ -144,6 +160,8 @@ class BufferPool:
         self._free.append(index)
 
     def view(self, index: int, start: int = 0, nbytes: Optional[int] = None) -> memoryview:
+        if not 0 <= index < self.nslots or (nbytes is not None and nbytes < 0):
+            raise ValueError(f"no view of {nbytes} bytes of slot {index} in {self.name}")
         off = index * self.stride + start
         end = index * self.stride + (self.slot_size if nbytes is None else start + nbytes)
         if start < 0 or end > index * self.stride + self.slot_size:
@@ -155,8 +173,8 @@ class BufferPool:
         mv = memoryview(buf)
         if mv.nbytes == 0:
             return True
-        a = buffer_address(mv)
-        return self.address <= a and a + mv.nbytes <= self.address + self.length
+        low, high = buffer_extent(mv)
+        return self.address <= low and high <= self.address + self.length
 
     def close(self) -> None:
         self._slots = []
