@@ -219,7 +219,6 @@ class StreamConnection(Connection):
         if n == 0:
             self._peer_gone = "peer closed the connection"
             return False
-        self.stats.bytes_received += n
         if want is None:
             self._rend += n
         else:
@@ -230,7 +229,9 @@ class StreamConnection(Connection):
             self._want = None
             header, bufs, slot = self._cur
             self._cur = None
-            self.stats.messages_received += 1
+            st = self.stats
+            st.messages_received += 1
+            st.bytes_received += slot.nbytes
             self._inbox.append(_StreamMessage(header, bufs, self, slot))
             if n == k:
                 return True
@@ -309,7 +310,9 @@ class StreamConnection(Connection):
             if have >= plen:
                 pos = pstart + plen
                 base[:plen] = rview[pstart:pos]
-                self.stats.messages_received += 1
+                st = self.stats
+                st.messages_received += 1
+                st.bytes_received += plen
                 inbox.append(_StreamMessage(header, bufs, self, slot))
                 continue
             # the rest of the payload is read straight into the slot

@@ -1113,6 +1113,256 @@ def check_many_clients(env: PairEnv) -> None:
     assert len(served) == nclients * count, len(served)
 
 
+def check_stats(env: PairEnv) -> None:
+    """stats agree across the pair: messages and payload bytes sent by one end are the
+    ones the other end received (headers and framing not counted)."""
+    client, server = env.pair()
+    sizes = [0, 1, 100, 4096, 70000, 3]
+    for a, b in ((client, server), (server, client), (client, server)):
+        for seq, n in enumerate(sizes):
+            transfer(a, b, seq, n)
+        b.send("ack", [b"12345"])
+        with a.recv(timeout=5):
+            pass
+    for a, b in ((client, server), (server, client)):
+        assert a.stats.messages_sent == b.stats.messages_received, (a.stats, b.stats)
+        assert a.stats.bytes_sent == b.stats.bytes_received, (a.stats, b.stats)
+    assert client.stats.messages_sent == 2 * len(sizes) + 1
+    assert client.stats.bytes_sent == 2 * sum(sizes) + 5
+    assert server.stats.bytes_sent == sum(sizes) + 2 * 5
+    d = client.stats.as_dict()
+    assert {"bytes_sent", "bytes_received", "messages_sent", "messages_received", "copies",
+            "credit_stalls"} <= set(d)
+
+
+def check_default_timeout(env: PairEnv) -> None:
+    """With no timeout argument, recv and a credit-starved send give up after the
+    connection's ``timeout`` option (never "forever")."""
+    t = 0.3
+    client, server = env.pair(timeout=t, nslots=2)
+    assert client.default_timeout == t and server.default_timeout == t
+    err, dt = timed(lambda: server.recv())
+    assert isinstance(err, Timeout), f"recv() with nothing sent: {err!r}"
+    assert t * 0.8 <= dt <= t + env.slack, dt
+    held = []
+    for seq in range(2):
+        send_seq(client, seq, 10)
+        held.append(recv_seq(server, seq, 10, hold=True))
+    err, dt = timed(lambda: send_seq(client, 2, 10))
+    assert isinstance(err, Timeout), f"send() without credits: {err!r}"
+    assert dt <= t + env.slack, dt
+    for m in held:
+        m.release()
+    send_seq(client, 2, 10)
+    recv_seq(server, 2, 10)
+
+
+def check_accept_and_connect_errors(env: PairEnv) -> None:
+    """accept(timeout) with nobody connecting raises Timeout in bounded time and the
+    listener still works; connecting where nobody listens raises a TransportError
+    (ConnectionClosed or Timeout), never hangs."""
+    lst = env.listen()
+    err, dt = timed(lambda: lst.accept(timeout=0.1))
+    assert isinstance(err, Timeout), f"accept with nobody connecting: {err!r}"
+    assert dt <= 0.1 + env.slack, dt
+    client, server = env.accept_pair(lst)
+    roundtrip(client, server)
+    gone = env.listen()
+    url = gone.url
+    gone.close()
+    err, dt = timed(lambda: env.connect(url, timeout=2.0))
+    assert isinstance(err, transport.TransportError), f"connect to a closed listener: {err!r}"
+    assert dt <= 2.0 + env.slack, dt
+
+
+def check_listener_close_keeps_connections(env: PairEnv) -> None:
+    """Closing a listener (twice is fine) leaves the connections it accepted working."""
+    lst = env.listen()
+    client, server = env.accept_pair(lst)
+    lst.close()
+    lst.close()
+    roundtrip(client, server)
+    transfer(client, server, 5, 1 << 20)
+    client.close()
+    expect_closed(server, 5 + env.slack, "after the listener closed")
+
+
+def check_alloc_when_all_slots_held(env: PairEnv) -> None:
+    """Allocating while the caller holds every send slot raises Timeout within the
+    timeout; giving one back (``slot.release()``) makes the next alloc work; slots
+    released unsent are reusable and nothing leaks."""
+    client, server = env.pair(nslots=4)
+    held = []
+    for _ in range(1000):
+        err, dt = timed(lambda: held.append(client.alloc(100, timeout=0.1)))
+        if err is not None:
+            break
+    assert isinstance(err, Timeout), f"alloc with every slot held: {err!r}"
+    assert dt <= 0.1 + env.slack, dt
+    assert 1 <= len(held) < 1000, len(held)
+    held.pop().release()
+    slot = client.alloc(100, timeout=1)
+    np.frombuffer(slot.buf, np.uint8)[:] = pattern(1, 100)
+    client.send({"seq": 1, "n": 100}, [slot])
+    recv_seq(server, 1, 100)
+    for s in held:
+        s.release()
+    for seq in range(3 * len(held) + 3):
+        send_seq(client, seq, 100, timeout=5)
+        recv_seq(server, seq, 100)
+    assert client.stats.copies == 0
+
+
+def check_held_messages_across_close(env: PairEnv) -> None:
+    """A message held while the peer closes stays readable until released; releasing
+    messages after our own close() is harmless."""
+    client, server = env.pair()
+    send_seq(client, 1, 4096)
+    send_seq(client, 2, 100)
+    m1 = recv_seq(server, 1, 4096, hold=True)
+    client.close()
+    m2 = recv_seq(server, 2, 100, hold=True)
+    expect_closed(server, 5 + env.slack, "the peer closed")
+    verify(m1.buffers[0], 1, 4096, "held across the peer's close")
+    m1.release()
+    server.close()
+    m2.release()  # after our own close
+    m2.release()
+    c2, s2 = env.pair()
+    send_seq(c2, 3, 10)
+    m3 = recv_seq(s2, 3, 10, hold=True)
+    s2.close()
+    m3.release()
+
+
+def _open_fds() -> Optional[int]:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+
+
+def check_no_fd_leak(env: PairEnv) -> None:
+    """Opening and closing 20 pairs (with traffic) leaves no file descriptors behind."""
+    def cycle(k):
+        lst = env.listen()
+        client, server = env.accept_pair(lst)
+        roundtrip(client, server, k)
+        client.close()
+        expect_closed(server, 5 + env.slack, "cycle")
+        server.close()
+        lst.close()
+    cycle(0)  # first use may open lazily-created process-wide fds
+    before = _open_fds()
+    for k in range(20):
+        cycle(k)
+    after = _open_fds()
+    if before is not None:
+        assert after <= before + 2, f"{after - before} file descriptors leaked by 20 pairs"
+
+
+def check_held_buffers_stay_intact(env: PairEnv) -> None:
+    """Messages the receiver holds keep their bytes while many later messages arrive
+    (no slot is reused under a held message); releasing in any order is fine."""
+    import random
+    nslots = 6
+    client, server = env.pair(nslots=nslots)
+    rng = random.Random(7)
+    held: dict = {}
+    seq, total = 0, 400
+
+    def sender():
+        for k in range(total):
+            send_seq(client, k, 1 + (k * 37) % 5000, timeout=10)
+
+    w = Worker(sender, "sender")
+    for seq in range(total):
+        n = 1 + (seq * 37) % 5000
+        msg = recv_seq(server, seq, n, timeout=10, hold=True)
+        held[seq] = msg
+        if len(held) >= nslots - 1 or rng.random() < 0.3:  # release a random one, keep the rest
+            k = rng.choice(sorted(held))
+            m = held.pop(k)
+            verify(m.buffers[0], k, 1 + (k * 37) % 5000, f"message {k} held while others arrived")
+            m.release()
+    for k, m in sorted(held.items()):
+        verify(m.buffers[0], k, 1 + (k * 37) % 5000, f"message {k} held to the end")
+        m.release()
+    w.join(10 + env.slack)
+    roundtrip(client, server)
+
+
+def check_random_traffic(env: PairEnv) -> None:
+    """Seeded random traffic both ways at once (a thread per end): random sizes up to
+    max_message, 0-3 buffers mixing slots and plain bytes, random headers, a message
+    sometimes held a while; everything arrives intact and in order.
+
+    Bounds that any backend may rely on: at most 2 messages in flight per direction and
+    1 held, each of at most 3 buffers, so even a backend whose every buffer occupies a
+    sender slot until release (shm) needs at most 3 * 3 + 3 of its 16 slots."""
+    import random
+    client, server = env.pair(nslots=16)
+    count, window = 150, 2
+    consumed = {id(client): 0, id(server): 0}  # messages each end has received
+    deadline = time.monotonic() + 30 + env.slack
+
+    def plan(seed):
+        rng = random.Random(seed)
+        msgs = []
+        for seq in range(count):
+            nbuf = rng.choice([0, 1, 1, 1, 2, 3])
+            cap = client.max_message // max(nbuf, 1)
+            sizes = [rng.choice([0, 1, rng.randrange(1, 5000), rng.randrange(1, 200000), cap])
+                     for _ in range(nbuf)]
+            kinds = [rng.random() < 0.7 for _ in sizes]  # True: a slot, False: plain bytes
+            header = {"seq": seq, "r": rng.choice([None, 1.5, "x" * rng.randrange(50), [1, {"a": b"b"}]])}
+            msgs.append((header, sizes, kinds))
+        return msgs
+
+    def run(conn, peer, out_plan, in_plan, seed):
+        rng = random.Random(seed)
+        sent = got = 0
+        held = None
+        while sent < count or got < count:
+            assert time.monotonic() < deadline, f"stuck at sent={sent} got={got}"
+            if sent < count and sent - consumed[id(peer)] < window:
+                header, sizes, kinds = out_plan[sent]
+                bufs = [filled_slot(conn, sent * 10 + j, n, timeout=10) if is_slot
+                        else pattern(sent * 10 + j, n).tobytes()
+                        for j, (n, is_slot) in enumerate(zip(sizes, kinds))]
+                conn.send(header, bufs, timeout=10)
+                sent += 1
+                continue
+            if got >= count:
+                time.sleep(0.001)
+                continue
+            try:
+                msg = conn.recv(timeout=0.05)
+            except Timeout:
+                continue
+            header, sizes, _ = in_plan[got]
+            assert msg.header == header, (msg.header, header)
+            assert [b.nbytes for b in msg.buffers] == sizes, ([b.nbytes for b in msg.buffers], sizes)
+            for j, (b, n) in enumerate(zip(msg.buffers, sizes)):
+                verify(b, got * 10 + j, n, f"message {got} buffer {j}")
+            got += 1
+            consumed[id(conn)] = got
+            if held is not None:
+                held.release()
+                held = None
+            if rng.random() < 0.3:
+                held = msg
+            else:
+                msg.release()
+        if held is not None:
+            held.release()
+
+    a_plan, b_plan = plan(1), plan(2)
+    w = Worker(lambda: run(server, client, b_plan, a_plan, 3), "server-end")
+    run(client, server, a_plan, b_plan, 4)
+    w.join(30 + env.slack)
+    roundtrip(client, server)
+
 CHECKS: list[Callable[[PairEnv], None]] = [
     check_roundtrip,
     check_order,
@@ -1137,4 +1387,13 @@ CHECKS: list[Callable[[PairEnv], None]] = [
     check_zero_copy,
     check_poller,
     check_many_clients,
+    check_stats,
+    check_default_timeout,
+    check_accept_and_connect_errors,
+    check_listener_close_keeps_connections,
+    check_alloc_when_all_slots_held,
+    check_held_messages_across_close,
+    check_no_fd_leak,
+    check_held_buffers_stay_intact,
+    check_random_traffic,
 ]
