@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-timeout", type=float, default=10.0, help="a round fails after this, seconds")
     p.add_argument("--threads", type=int, default=1, help="the gateway's own BLAS threads (the gate matmul)")
     p.add_argument("--log-level", default="WARNING")
+    from workers.metrics import add_flags
+
+    add_flags(p)
+    src.add_argument("--worker-metrics", action="store_true",
+                     help="local workers: each serves /metrics on a free port of --metrics-addr "
+                          "(their 'METRICS <url>' lines go to stderr)")
     return p
 
 
@@ -85,6 +91,8 @@ class LocalWorkers:
                 extra = ["--threads", str(args.worker_threads), "--exit-with-parent", "--log-level", args.log_level]
                 if cpus:
                     extra += ["--cpu", str(cpus[i % len(cpus)])]
+                if args.worker_metrics:
+                    extra += ["--metrics-port", "0", "--metrics-addr", args.metrics_addr]
                 proc, url = spawn_service(worker_argv(self._url(args, i), experts, d_model=args.d_model,
                                                       d_ff=args.d_ff, seed=args.seed, dtype=args.dtype,
                                                       max_tokens=max_rows, extra=extra), env=env)
@@ -154,6 +162,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             local.close()
         return 2
     try:
+        if args.metrics_port is not None:
+            from workers.metrics import GatewayMetrics, serve
+
+            try:
+                serve(GatewayMetrics(server).attach().registry, args.metrics_port, args.metrics_addr)
+            except Exception as e:
+                print(f"moe-gateway: metrics: {e}", file=sys.stderr)
+                return 2
         install_signal_handlers(server)
         print(f"{LISTENING} {server.url}", flush=True)
         return server.serve()

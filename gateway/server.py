@@ -111,6 +111,7 @@ class GatewayServer:
         self._poller = Poller()
         self._wake = WakePipe()
         self._stop = False
+        self.on_round = None  # callable(BatchStats, queue_s) after each round (metrics)
 
     # -- lifecycle -------------------------------------------------------------
     def request_stop(self) -> None:
@@ -313,6 +314,8 @@ class GatewayServer:
         finally:
             rnd.release()
         self.stats.add_round(rnd.stats, queue_s)
+        if self.on_round is not None:
+            self.on_round(rnd.stats, queue_s)
 
     def _reply_result(self, conn, rid: int, y: Optional[np.ndarray], source) -> None:
         pool = self.pool

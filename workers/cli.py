@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="while draining, exit once connections were quiet this long, seconds")
     p.add_argument("--exit-with-parent", action="store_true", help="drain and exit when the parent dies")
     p.add_argument("--log-level", default="WARNING")
+    from workers.metrics import add_flags
+
+    add_flags(p)
     return p
 
 
@@ -99,6 +102,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               watch_parent=os.getppid() if args.exit_with_parent else None)
     except Exception as e:
         print(f"moe-worker: {e}", file=sys.stderr)
+        return 2
+    try:
+        from workers.metrics import maybe_serve, worker_registry
+
+        maybe_serve(lambda: worker_registry(daemon), args)
+    except Exception as e:
+        print(f"moe-worker: metrics: {e}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: daemon.request_stop())
     signal.signal(signal.SIGINT, lambda *_: daemon.request_stop())
