@@ -29,7 +29,7 @@ from .base import (DEFAULT_NSLOTS, DEFAULT_SLOT_SIZE, DEFAULT_TIMEOUT, Connectio
 from .errors import ConnectionClosed, ProtocolError, Timeout
 from .framing import Kind
 from .pool import BufferPool, Slot, buffer_address, round_up
-from .shmring import (W_ARMED_DATA, W_ARMED_SPACE, W_RUNG, Doorbell, Fence, Layout,
+from .shmring import (REC_HDR, W_ARMED_DATA, W_ARMED_SPACE, W_OUT_HEAD, W_OUT_TAIL, W_RUNG, Doorbell, Fence, Layout,
                       RecordReader, RecordWriter, ReturnReader, ReturnWriter, Segment, pow2,
                       ring_bell)
 
@@ -41,6 +41,7 @@ MAX_RECORD = framing.PREFIX_SIZE + framing.MAX_HEADER + 64
 RING_BYTES = pow2(2 * MAX_RECORD + 64)  # 256 KiB
 MAX_RING = 64 << 20
 SPIN = 50e-6  # busy-poll this long before sleeping: on 2 cores a longer spin steals a core
+SPIN_MIN = 5e-6  # an idle connection's spin shrinks to this
 NAP = 0.005  # the longest sleep between re-checks: the safety net under the fence
 _DATA = int(Kind.DATA)
 _CLOSE = int(Kind.CLOSE)
@@ -49,7 +50,17 @@ _MAGIC, _VERSION = framing.MAGIC, framing.VERSION
 _FD_MSG = b"F"
 _pack = msgpack.Packer(use_bin_type=True).pack
 _unpackb = msgpack.unpackb
-_REC = struct.Struct("<I4x2sBBIQ")  # ring record length + framing prefix, packed at once
+# The hot-path record: ring length word, framing prefix, then the msgpack header
+# [user, [len], [slot, 0]] written as fixarray(3) + packed user header + a fixed tail
+# (fixarray(1), uint64 len, fixarray(2), uint32 slot, 0): valid msgpack that any decoder
+# reads, and that the receiver recognises with two struct unpacks.
+_WHEAD = struct.Struct("<I4x2sBBIQB")  # 25 bytes: what send() writes before the user header
+_RHEAD = struct.Struct("<IIQB")  # the same prefix read back: magic|version|kind as one u32
+_TAIL = struct.Struct(">HQHIB")  # msgpack is big-endian
+_TAIL_SIZE = _TAIL.size  # 17
+_T1, _T2 = 0x91CF, 0x92CE
+_TAG_DATA = struct.unpack("<I", framing.encode_prefix(Kind.DATA, 0, 0)[:4])[0]
+_FAST_MIN = 16 + 1 + 1 + _TAIL_SIZE  # prefix, fixarray, the smallest user header, tail
 _MAX_HEADER, _MAX_BUFFERS = framing.MAX_HEADER, framing.MAX_BUFFERS
 
 
@@ -151,13 +162,13 @@ class _ShmMessage(Message):
 
     __slots__ = ("_conn", "_ids")
 
-    def __init__(self, header: Any, buffers: list, conn: "ShmConnection", ids: list):
+    def __init__(self, header: Any, buffers: list, conn: "ShmConnection", ids):
         self.header = header
         self.buffers = buffers
         self._on_release = None
         self.released = False
         self._conn = conn
-        self._ids = ids
+        self._ids = ids  # one slot id (int), or a list of them
 
     def release(self) -> None:
         if self.released:
@@ -166,8 +177,7 @@ class _ShmMessage(Message):
         for b in self.buffers:
             b.release()
         self.buffers = []
-        if self._ids:
-            self._conn._give_back_slots(self._ids)
+        self._conn._give_back_slots(self._ids)
 
 
 # -- the connection -----------------------------------------------------------------
@@ -201,10 +211,17 @@ class ShmConnection(Connection):
         self._ranges = [(buffer_address(s.mem), len(s.mem)) for s in (peer_seg, seg)]
         self._rung_sent = self._pw[W_RUNG]
         self._rung_seen = self._w[W_RUNG]
+        self._spin = SPIN
         self._closed = False
         self._peer_gone: Optional[str] = None
+        self._usable = True  # not closed and the peer not gone: one test on the hot path
         self._w[W_ARMED_DATA] = 1  # outside recv a Poller may be sleeping on fileno()
         self._w[W_ARMED_SPACE] = 0
+
+    def _gone(self, why: str) -> None:
+        if self._peer_gone is None:
+            self._peer_gone = why
+        self._usable = False
 
     # -- doorbell -------------------------------------------------------------------
     def _ring(self) -> None:
@@ -230,12 +247,9 @@ class ShmConnection(Connection):
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
-            data = b""
-            why = f"peer connection reset ({e})"
-        else:
-            why = "peer closed the connection" if not data else "peer wrote to the control socket"
-        if self._peer_gone is None:
-            self._peer_gone = why
+            self._gone(f"peer connection reset ({e})")
+            return
+        self._gone("peer closed the connection" if not data else "peer wrote to the control socket")
 
     # -- receive --------------------------------------------------------------------
     def pending(self) -> bool:
@@ -254,10 +268,34 @@ class ShmConnection(Connection):
             n = inr.peek()
             if n < 0:
                 n = self._wait_record(timeout)
+            p = inr.pos
+            data = inr.data
             try:
-                return self._decode(inr.pos, n)
+                # the common record, as send() writes it: [header, [len], [slot, 0]] with
+                # fixed-width ints; anything else takes the general path, same checks
+                if n >= _FAST_MIN:
+                    tag, hlen, plen, arr = _RHEAD.unpack_from(data, p)
+                    q = p + n - _TAIL_SIZE
+                    if tag == _TAG_DATA and arr == 0x93 and n == 16 + hlen and hlen <= _MAX_HEADER:
+                        t1, k, t2, s, z = _TAIL.unpack_from(data, q)
+                        if t1 == _T1 and t2 == _T2 and z == 0 and k == plen \
+                                and k <= self._recv_slot_size and s < self._recv_nslots:
+                            try:
+                                user = _unpackb(data[p + 17 : q], strict_map_key=False)
+                            except Exception:
+                                pass  # not exactly one object: the general path says why
+                            else:
+                                st = self.stats
+                                st.messages_received += 1
+                                st.bytes_received += k
+                                base = s * self._recv_stride
+                                return _ShmMessage(user, [self._recv_mem[base : base + k]], self, s)
+                return self._decode(p, n)
             finally:
                 inr.advance()  # the record is parsed into Python objects: free its space
+                # re-armed only now: a sender that saw us spinning, or saw the record
+                # consumed already, does not ring (see send)
+                self._w[W_ARMED_DATA] = 1
                 if self._pw[W_ARMED_SPACE]:  # the peer waits for ring space
                     self._ring()
                 if self._w[W_RUNG] != self._rung_seen:  # we were rung for this record:
@@ -267,35 +305,49 @@ class ShmConnection(Connection):
             raise
 
     def _wait_record(self, timeout: Optional[float]) -> int:
-        """Busy-poll briefly, then sleep on the doorbell; the length of the next record."""
+        """Busy-poll briefly, then sleep on the doorbell; the length of the next record.
+
+        The spin adapts: it stays long while messages keep arriving within it, and halves
+        (down to SPIN_MIN) each time a wait had to sleep for longer than the spin could
+        have covered, so an idle connection costs little CPU; a wait that slept but ended
+        soon after the spin would have, restores it."""
         deadline = Deadline(timeout, self.default_timeout)
-        peek, w = self._in.peek, self._w
-        if timeout != 0 and self._peer_gone is None:
+        inr, w, pw = self._in, self._w, self._pw
+        if timeout != 0 and self._usable:
+            head = inr.head
+            clock = time.perf_counter
+            start = clock()
+            end = start + self._spin
             w[W_ARMED_DATA] = 0  # spinning: the peer need not ring
-            end = time.perf_counter() + SPIN
-            while time.perf_counter() < end:
-                n = peek()
-                if n >= 0:
-                    w[W_ARMED_DATA] = 1
-                    return n
+            while pw[W_OUT_TAIL] == head and clock() < end:
+                pass
+            if pw[W_OUT_TAIL] != head:
+                return inr.peek()  # recv re-arms once the record is consumed
             w[W_ARMED_DATA] = 1
+        else:
+            start = 0.0
         while True:
             self._acq()  # full fence: "armed" (store) before the ring is re-read (load)
             self._rel()
-            n = peek()
+            n = inr.peek()
             if n >= 0:
+                if start:
+                    waited = time.perf_counter() - start
+                    self._spin = SPIN if waited < 4 * SPIN else max(SPIN_MIN, self._spin / 2)
                 return n
-            if self._peer_gone is not None:
+            if not self._usable:
+                if self._closed:
+                    raise ConnectionClosed(f"{self.url}: connection is closed")
                 raise closed_error(self, self._peer_gone)
             if deadline.expired():
                 self._bell.wait(0) and self._check_socket()
-                if self._peer_gone is None:
+                if self._usable:
                     raise Timeout("timed out waiting for a message")
                 continue
             self._sleep(deadline)
 
     def _decode(self, p: int, n: int) -> Message:
-        """Parse and check the record at ``ring[p:p+n]`` in place; views into the slots."""
+        """Parse and check any record at ``ring[p:p+n]`` in place; views into the slots."""
         data = self._in.data
         if n < 16:
             raise ProtocolError(f"ring record of {n} bytes is shorter than a prefix")
@@ -304,7 +356,7 @@ class ShmConnection(Connection):
                 or plen > self._recv_slot_size or n != 16 + hlen:
             return self._odd_record(bytes(data[p : p + 16]), n)
         try:
-            obj = _unpackb(data[p + 16 : p + n], raw=False, strict_map_key=False)
+            obj = _unpackb(data[p + 16 : p + n], strict_map_key=False)
         except Exception as e:  # msgpack raises several unrelated types on garbage
             raise ProtocolError(f"undecodable header: {e}") from None
         if type(obj) is not list or len(obj) != 3:
@@ -314,15 +366,6 @@ class ShmConnection(Connection):
             raise ProtocolError("shm DATA record without slot descriptors")
         if len(lens) > _MAX_BUFFERS:
             raise ProtocolError(f"{len(lens)} buffers exceed the limit of {_MAX_BUFFERS}")
-        st = self.stats
-        if len(lens) == 1:  # the common case, checked without the general loop
-            k, (s, off) = lens[0], extra
-            if type(k) is int and type(s) is int and type(off) is int and 0 <= k == plen \
-                    and 0 <= s < self._recv_nslots and 0 <= off <= self._recv_slot_size - k:
-                base = s * self._recv_stride + off
-                st.messages_received += 1
-                st.bytes_received += plen
-                return _ShmMessage(user, [self._recv_mem[base : base + k]], self, [s])
         mem, stride, size, nslots = self._recv_mem, self._recv_stride, self._recv_slot_size, self._recv_nslots
         bufs, ids, total = [], [], 0
         for i, k in enumerate(lens):
@@ -336,7 +379,10 @@ class ShmConnection(Connection):
             if s not in ids:
                 ids.append(s)
         if total != plen:
+            for b in bufs:
+                b.release()
             raise ProtocolError(f"buffer lengths sum to {total}, prefix says {plen}")
+        st = self.stats
         st.messages_received += 1
         st.bytes_received += plen
         return _ShmMessage(user, bufs, self, ids)
@@ -345,17 +391,22 @@ class ShmConnection(Connection):
         """Not a plain DATA record: CLOSE, or garbage explained by framing's own checks."""
         kind, hlen, _ = framing.decode_prefix(prefix, max_payload=self._recv_slot_size)
         if kind == _CLOSE:
-            self._peer_gone = "peer closed the connection"
+            self._gone("peer closed the connection")
             raise closed_error(self, self._peer_gone)
         if kind == _DATA:
             raise ProtocolError(f"shm DATA record of {n} bytes for a {hlen}-byte header")
         raise ProtocolError(f"unexpected {Kind(kind).name} frame on an shm ring")
 
-    def _give_back_slots(self, ids: list) -> None:
+    def _give_back_slots(self, ids) -> None:
         """A message was released: its slots go back to the sender, which is the credit."""
         if self._closed:
             return
-        self._give_back.push(ids)
+        if ids.__class__ is int:
+            self._give_back.push_one(ids)
+        elif ids:
+            self._give_back.push(ids)
+        else:
+            return
         self._acq()  # full fence: returns published (store) before "armed" is read (load)
         self._rel()
         if self._pw[W_ARMED_SPACE]:
@@ -385,11 +436,11 @@ class ShmConnection(Connection):
                 self._rel()
                 if ready():
                     return
-                if self._peer_gone is not None:
-                    raise closed_error(self, self._peer_gone)
+                if not self._usable:
+                    self._check_usable()
                 if deadline.expired():
                     self._bell.wait(0) and self._check_socket()
-                    if self._peer_gone is not None:
+                    if not self._usable:
                         continue
                     raise Timeout(f"timed out {what}")
                 self._sleep(deadline)
@@ -408,7 +459,7 @@ class ShmConnection(Connection):
         return slot
 
     def alloc(self, nbytes: int, timeout: Optional[float] = None) -> Slot:
-        if self._closed or self._peer_gone is not None:
+        if not self._usable:
             self._check_usable()
         if not 0 <= nbytes <= self.max_message:
             raise ValueError(f"{nbytes} bytes exceed the peer's largest message ({self.max_message})")
@@ -419,41 +470,76 @@ class ShmConnection(Connection):
         return slot
 
     def send(self, header: Any, buffers: Sequence = (), timeout: Optional[float] = None) -> None:
+        if len(buffers) == 1:
+            b = buffers[0]
+            if b.__class__ is Slot and b.pool is self.send_pool and self._usable:
+                # the hot path: one slot from alloc(), packed straight into the ring
+                try:
+                    uh = _pack(header)
+                except Exception as e:
+                    b.release()  # the slot belongs to the transport even when send raises
+                    raise TypeError(f"header is not msgpack-serialisable: {e}") from None
+                k = b.nbytes
+                luh = len(uh)
+                hlen = luh + 18
+                reclen = 16 + hlen
+                out = self._out
+                if hlen <= _MAX_HEADER and (pos := out.reserve(REC_HDR + ((reclen + 7) & ~7))) >= 0:
+                    data = out.data
+                    _WHEAD.pack_into(data, pos, reclen, _MAGIC, _VERSION, _DATA, hlen, k, 0x93)
+                    data[pos + 25 : pos + 25 + luh] = uh
+                    _TAIL.pack_into(data, pos + 25 + luh, _T1, k, _T2, b.index, 0)
+                    old = out.commit()
+                    self._acq()  # full fence: the tail (store) before "armed", head (loads)
+                    self._rel()
+                    if self._pw[W_ARMED_DATA] and out.words[W_OUT_HEAD] == old:
+                        self._ring()  # armed, and it had taken all but our record
+                    st = self.stats
+                    st.messages_sent += 1
+                    st.bytes_sent += k
+                    return
+                head = b"\x93" + uh + _TAIL.pack(_T1, k, _T2, b.index, 0)
+                self._send_head(head, k, [b], timeout, None)
+                return
+        self._send_general(header, buffers, timeout)
+
+    def _send_general(self, header: Any, buffers: Sequence, timeout: Optional[float]) -> None:
         pool = self.send_pool
-        deadline = None
-        if len(buffers) == 1 and type(buffers[0]) is Slot and buffers[0].pool is pool:
-            b = buffers[0]  # the hot path: one slot from alloc()
-            owned = [b]
-            total = b.nbytes
-            lens, extra = [total], [b.index, 0]
-        elif not buffers:
-            owned, total, lens, extra = [], 0, [], []
-        else:
-            owned = [b for b in buffers if type(b) is Slot and b.pool is pool]
-            lens = None
+        owned = [b for b in buffers if type(b) is Slot and b.pool is pool]
         try:
-            if self._closed or self._peer_gone is not None:
+            if not self._usable:
                 self._check_usable()
-            if lens is None:
-                deadline = Deadline(timeout, self.default_timeout)
-                lens, extra, total = self._describe(buffers, owned, deadline)
+            deadline = Deadline(timeout, self.default_timeout)
+            lens, extra, total = self._describe(buffers, owned, deadline)
             try:  # not framing.encode_header: it turns a None header into {}
                 head = _pack([header, lens, extra])
-            except (TypeError, ValueError, OverflowError) as e:
+            except Exception as e:
                 raise TypeError(f"header is not msgpack-serialisable: {e}") from None
+        except BaseException:
+            for s in owned:  # the slots belong to the transport even when send raises
+                s.release()
+            raise
+        self._send_head(head, total, owned, timeout, deadline)
+
+    def _send_head(self, head: bytes, total: int, owned: list, timeout: Optional[float],
+                   deadline: Optional[Deadline]) -> None:
+        """Write the record prefix + ``head``, waiting (bounded) for ring space."""
+        out = self._out
+        try:
+            if not self._usable:
+                self._check_usable()
             hlen = len(head)
             if hlen > _MAX_HEADER:
                 raise ValueError(f"header of {hlen} bytes exceeds the limit of {_MAX_HEADER}")
-            rec = _REC.pack(16 + hlen, _MAGIC, _VERSION, _DATA, hlen, total) + head
-            out = self._out
-            old = out.push_framed(rec)
+            prefix = framing.encode_prefix(_DATA, hlen, total)
+            old = out.push(prefix, head)
             if old is None:
-                self._wait_space(lambda: self._peer_gone is None and out.push_framed(rec) is not None,
+                self._wait_space(lambda: self._usable and out.push(prefix, head) is not None,
                                  deadline or Deadline(timeout, self.default_timeout),
                                  "waiting for ring space")
                 old = -1  # the ring was full, so the peer is busy: no need to ring
         except BaseException:
-            for s in owned:  # the slots belong to the transport even when send raises
+            for s in owned:
                 s.release()
             raise
         self._acq()  # full fence: the tail (store) before "armed" and the head (loads)
@@ -551,6 +637,7 @@ class ShmConnection(Connection):
             except ProtocolError:
                 pass
         self._closed = True
+        self._usable = False
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # the peer's poll sees HUP now
         except OSError:

@@ -183,71 +183,70 @@ _REGISTRY: dict = {}
 
 
 class RecordWriter:
-    """The producer end of a byte ring of length-prefixed records."""
+    """The producer end of a byte ring of length-prefixed records.
 
-    __slots__ = ("data", "words", "tail", "cap", "mask")
+    Writing is ``pos = reserve(need)``, fill ``data[pos:pos+need]`` (the first u32 is the
+    record's length), ``commit()``: the hot path packs straight into the ring, no bytes
+    object in between. Nothing is visible to the consumer before ``commit``.
+    """
+
+    __slots__ = ("data", "words", "tail", "cap", "mask", "_next")
 
     def __init__(self, data: memoryview, words: memoryview):
         self.data, self.words = data, words
         self.cap = len(data)
         self.mask = self.cap - 1
         self.tail = words[W_OUT_TAIL]  # we are the only writer: keep it in a local
+        self._next = self.tail
 
-    def push(self, a, b=b"") -> Optional[int]:
-        """Write record ``a + b``; return the old tail (to tell whether the ring was empty),
-        or None if there is no room now."""
-        n = len(a) + len(b)
-        need = REC_HDR + ((n + 7) & ~7)
+    def reserve(self, need: int) -> int:
+        """The ring offset of ``need`` contiguous bytes (``need`` a multiple of 8), or -1
+        when there is no room now. Records never wrap: the rest of the ring is padded."""
         tail = self.tail
+        cap = self.cap
         used = tail - self.words[W_OUT_HEAD]
-        if not 0 <= used <= self.cap:
+        if not 0 <= used <= cap:
             raise ProtocolError("peer corrupted the ring's head")
         pos = tail & self.mask
-        to_end = self.cap - pos
-        data = self.data
-        if need > to_end:  # records are contiguous: pad to the end and start over
-            if self.cap - used < to_end + need:
-                return None
-            _U32.pack_into(data, pos, PAD)
-            pos, tail = 0, tail + to_end
-        elif self.cap - used < need:
+        to_end = cap - pos
+        if need > to_end:  # pad to the end and start over at 0
+            if cap - used < to_end + need:
+                return -1
+            _U32.pack_into(self.data, pos, PAD)
+            self._next = tail + to_end + need
+            return 0
+        if cap - used < need:
+            return -1
+        self._next = tail + need
+        return pos
+
+    def commit(self) -> int:
+        """Publish the reserved record; return the tail before it (see empty_for_peer)."""
+        old = self.tail
+        self.tail = self._next
+        self.words[W_OUT_TAIL] = self._next  # publish: x86-TSO orders it after the bytes
+        return old
+
+    def push(self, a, b=b"") -> Optional[int]:
+        """Write record ``a + b`` (copies; for rare records); the old tail, or None if there
+        is no room now."""
+        n = len(a) + len(b)
+        pos = self.reserve(REC_HDR + ((n + 7) & ~7))
+        if pos < 0:
             return None
+        data = self.data
         _U32.pack_into(data, pos, n)
         la = len(a)
         data[pos + REC_HDR : pos + REC_HDR + la] = a
         if b:
             data[pos + REC_HDR + la : pos + REC_HDR + n] = b
-        old = self.tail
-        self.tail = tail + need
-        self.words[W_OUT_TAIL] = self.tail  # publish: x86-TSO orders it after the bytes
-        return old
-
-    def push_framed(self, rec) -> Optional[int]:
-        """Like :meth:`push` for a record whose first 8 bytes already hold its length (the
-        hot path packs length and prefix with one struct call)."""
-        need = (len(rec) + 7) & ~7
-        tail = self.tail
-        used = tail - self.words[W_OUT_HEAD]
-        if not 0 <= used <= self.cap:
-            raise ProtocolError("peer corrupted the ring's head")
-        pos = tail & self.mask
-        to_end = self.cap - pos
-        if need > to_end:
-            if self.cap - used < to_end + need:
-                return None
-            _U32.pack_into(self.data, pos, PAD)
-            pos, tail = 0, tail + to_end
-        elif self.cap - used < need:
-            return None
-        self.data[pos : pos + len(rec)] = rec
-        old = self.tail
-        self.tail = tail + need
-        self.words[W_OUT_TAIL] = self.tail  # publish: x86-TSO orders it after the bytes
-        return old
+        return self.commit()
 
     def empty_for_peer(self, old_tail: int) -> bool:
-        """Whether the consumer had drained everything before the record at ``old_tail``."""
-        return self.words[W_OUT_HEAD] >= old_tail
+        """Whether the consumer has taken everything before the record at ``old_tail`` and
+        not that record itself (then it may be asleep waiting for it: ring). Further
+        behind, it was rung for an earlier record; past it, it has seen ours."""
+        return self.words[W_OUT_HEAD] == old_tail
 
 
 class RecordReader:
@@ -335,6 +334,14 @@ class ReturnWriter:
         self.ids, self.words = ids, words
         self.mask = len(ids) - 1
         self.tail = words[W_RET_TAIL]
+
+    def push_one(self, index: int) -> None:
+        tail = self.tail
+        if tail - self.words[W_RET_HEAD] >= len(self.ids):
+            raise ProtocolError("more slots returned than the peer has")  # a peer bug
+        self.ids[tail & self.mask] = index
+        self.tail = tail + 1
+        self.words[W_RET_TAIL] = tail + 1
 
     def push(self, indices) -> None:
         tail = self.tail
