@@ -56,10 +56,13 @@ _SEND_SLICE = 0.05  # a blocked send drains the peer this often (no mutual block
 _POLLIN, _POLLOUT = select.POLLIN, select.POLLOUT
 _POLL_ERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
 _PREFIX = framing.PREFIX
+_TAGGED = struct.Struct("<IIQ")  # the prefix with magic|version|kind as one u32
 _PREFIX_SIZE = framing.PREFIX_SIZE
 _MAGIC, _VERSION = framing.MAGIC, framing.VERSION
 _DATA, _CREDIT, _CLOSE = int(Kind.DATA), int(Kind.CREDIT), int(Kind.CLOSE)
 _MAX_BUFFERS = framing.MAX_BUFFERS
+_TAG_DATA = struct.unpack("<I", _PREFIX.pack(_MAGIC, _VERSION, _DATA, 0, 0)[:4])[0]
+_TAG_CREDIT = struct.unpack("<I", _PREFIX.pack(_MAGIC, _VERSION, _CREDIT, 0, 0)[:4])[0]
 _IDLE_READ = 64 << 10  # read size when no payload is being received
 _READ_AHEAD = 4 << 10  # after the rest of a payload: the next prefix + header (+ a bit)
 _TIMEVAL = struct.Struct("ll")
@@ -250,10 +253,10 @@ class StreamConnection(Connection):
         max_header = self.max_header
         inbox = self._inbox
         while end - pos >= _PREFIX_SIZE:
-            magic, version, kind, hlen, plen = _PREFIX.unpack_from(rbuf, pos)
-            if not (kind == _DATA and magic == _MAGIC and version == _VERSION
-                    and 0 < hlen <= max_header and plen <= self._max_payload):
-                if kind == _CREDIT and magic == _MAGIC and version == _VERSION and not hlen:
+            # magic, version and kind in one compare: "MT", VERSION, kind as a u32
+            tag, hlen, plen = _TAGGED.unpack_from(rbuf, pos)
+            if not (tag == _TAG_DATA and 0 < hlen <= max_header and plen <= self._max_payload):
+                if tag == _TAG_CREDIT and not hlen:
                     self._credits += plen
                     pos += _PREFIX_SIZE
                     continue
@@ -275,13 +278,11 @@ class StreamConnection(Connection):
                 break  # the header is not all here yet
             # decode_header, with the one-buffer case checked inline
             try:
-                obj = _unpackb(rview[hstart:pstart], raw=False, strict_map_key=False)
+                header, lens, extra = _unpackb(rview[hstart:pstart], strict_map_key=False)
+                fast = lens.__class__ is list and len(lens) == 1 and lens[0] == plen and lens[0].__class__ is int
             except Exception:
-                obj = None
-            if (obj.__class__ is list and len(obj) == 3 and obj[1].__class__ is list
-                    and len(obj[1]) == 1 and obj[1][0].__class__ is int and obj[1][0] == plen):
-                header, lens, extra = obj
-            else:
+                fast = False
+            if not fast:  # anything else gets the full validation (and its ProtocolError)
                 header, lens, extra = framing.decode_header(rview[hstart:pstart], plen)
             if extra.__class__ is int and extra > 0:
                 self._credits += extra  # credits piggybacked on data

@@ -1,9 +1,10 @@
 """tcp://host:port — TCP with TCP_NODELAY.
 
-One ``sendmsg`` per message with the slot memoryviews in the gather list, and a
-``recvmsg_into`` that lands the payload in a slot of the receiver's pool: the kernel's
-socket copy is the only copy. A handshake exchanges each side's slot size and slot count;
-the slot count is the number of credits the peer starts with.
+One ``sendmsg`` per message with the slot memoryviews in the gather list, and one
+``recv_into`` per wake-up (see transport/stream.py): small payloads are copied from the
+read buffer into a slot of the receiver's pool, the rest of a large one is read straight
+into its slot. A handshake exchanges each side's slot size and slot count; the slot count
+is the number of credits the peer starts with.
 """
 from __future__ import annotations
 
