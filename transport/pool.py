@@ -125,9 +125,10 @@ class BufferPool:
         return len(self._free)
 
     def try_alloc(self) -> Optional[Slot]:
+        # last freed, first reused: a slot that was just written or read is still in cache
         if not self._free:
             return None
-        i = self._free.popleft()
+        i = self._free.pop()
         self._in_use[i] = True
         s = self._slots[i]
         s.nbytes = self.slot_size

@@ -295,7 +295,7 @@ class StreamConnection(Connection):
             free = pool._free
             if not free:
                 raise ProtocolError("peer sent beyond its credits")
-            i = free.popleft()
+            i = free.pop()  # LIFO, as BufferPool.try_alloc
             pool._in_use[i] = True
             slot = pool._slots[i]
             slot.nbytes = plen
@@ -309,6 +309,8 @@ class StreamConnection(Connection):
                     off += n
             have = end - pstart
             if have >= plen:
+                if self._rhead.nbytes != _IDLE_READ and plen < _READ_AHEAD:
+                    self._rhead = rview[:_IDLE_READ]  # small messages again: read many at once
                 pos = pstart + plen
                 base[:plen] = rview[pstart:pos]
                 st = self.stats
@@ -316,7 +318,11 @@ class StreamConnection(Connection):
                 st.bytes_received += plen
                 inbox.append(_StreamMessage(header, bufs, self, slot))
                 continue
-            # the rest of the payload is read straight into the slot
+            # the rest of the payload is read straight into the slot; while messages are
+            # this large, idle reads take little more than a prefix and header, so that
+            # the next payload too lands in its slot rather than in the read buffer
+            if plen > _IDLE_READ and self._rhead.nbytes != _READ_AHEAD:
+                self._rhead = rview[:_READ_AHEAD]
             if have:
                 base[:have] = rview[pstart:end]
             self._want = base[have:plen]
@@ -402,7 +408,7 @@ class StreamConnection(Connection):
         free = pool._free
         if not free:  # tcp frees send slots as soon as they are sent: the caller holds them all
             raise Timeout(f"all {pool.nslots} send slots are held by the caller")
-        i = free.popleft()
+        i = free.pop()  # LIFO, as BufferPool.try_alloc
         pool._in_use[i] = True
         slot = pool._slots[i]
         slot.nbytes = nbytes
