@@ -1,0 +1,879 @@
+"""An established rdma:// connection: the message path, credits, completions and waits.
+
+Message path (every message, small or large, is one framing.py DATA frame: prefix,
+msgpack header, then the payload at the next 64-byte boundary):
+- The sender's slots have ``ROOM`` registered bytes in front of them; the prefix and header
+  are written there, so one scatter entry covers header and payload and the payload is
+  never copied (unregistered buffers are copied into a slot once, and counted).
+- small: a frame that fits the peer's receive buffers (``small_size``) and has at most one
+  payload segment goes by SEND into a pre-posted receive; the message's buffers are views
+  of that receive buffer, which is re-posted when the message is released.
+- large: RDMA WRITE WITH IMMEDIATE into a receive slot the peer advertised in the
+  handshake (the immediate is the slot index); extra segments go first as plain WRITEs
+  to the following offsets of the same slot. The frame lands at the slot's start, the
+  payload ``round_up(16 + header_len, 64)`` bytes in.
+
+Credits: the receiver's ``nslots`` is the number of messages the sender may have unreleased
+(each message takes a receive; a large one also a slot, and there are as many slots as
+credits, so a sender with a credit always has a free slot). Releasing a message returns
+its credit (and slot index), piggybacked on the next DATA frame's ``extra`` field or in a
+credit message: a SEND WITH IMMEDIATE (``CTRL_IMM``) carrying msgpack
+``[credits, ctrl_acks, [slot, ...]]`` into one of ``nctrl`` receives reserved for them.
+Credit messages have their own budget (``nctrl``), acknowledged the same way; the last unit
+of budget is kept for a message that carries acks, so the two sides can never both hold
+credits back for want of budget.
+
+Completions: two CQs, each with a completion channel. Waits busy-poll for ``spin``
+seconds, then arm the CQ (req_notify), re-poll (a completion may have raced the arming),
+and sleep in epoll on the channel fds and the side-channel socket, so a dead peer (EOF)
+wakes the waiter at once. ``fileno()`` is an epoll fd over the receive channel and the
+socket; a connection whose fd is used keeps its CQ armed and its channel drained between
+calls, so the fd is readable only when something new arrived.
+"""
+from __future__ import annotations
+
+import collections
+import select
+import socket
+import time
+from typing import Any, Optional, Sequence
+
+import msgpack
+
+from . import framing
+from .base import Connection, ConnectionStats, Deadline, Message, closed_error
+from .errors import ConnectionClosed, ProtocolError, Timeout, TransportError
+from .framing import Kind
+from .pool import BufferPool, Slot, round_up
+from . import rdma_handshake as hs
+from .rdma_device import DeviceChoice, pick_device
+from .rdma_verbs import E, PyverbsError, Verbs
+
+PREFIX = framing.PREFIX
+PREFIX_SIZE = framing.PREFIX_SIZE
+MAX_HEADER = framing.MAX_HEADER
+ROOM = round_up(PREFIX_SIZE + MAX_HEADER)  # registered bytes before each send slot
+CTRL_IMM = 0x4D54_4352  # "MTCR": the immediate that marks a credit message
+NCTRL = 8  # receives each side posts for the peer's credit messages
+CLOSE_LINGER = 5.0  # close() waits at most this long for its sends to complete
+_MAGIC, _VERSION, _DATA = framing.MAGIC, framing.VERSION, int(Kind.DATA)
+_packb = msgpack.Packer(use_bin_type=True).pack
+
+
+class _RoomSlot(Slot):
+    """A send slot that starts ``room`` bytes into its stride."""
+
+    __slots__ = ()
+
+    def __init__(self, pool: "_RoomPool", index: int):
+        self.pool = pool
+        self.index = index
+        self.offset = index * pool.stride + pool.room
+        self.capacity = self.nbytes = pool.slot_size
+        self._mem = pool.memory[self.offset:self.offset + self.capacity]
+
+
+class _RoomPool(BufferPool):
+    """The send pool: like BufferPool, with ``room`` bytes of header space before each slot,
+    so that one scatter entry covers the frame's header and the payload."""
+
+    def __init__(self, room: int, slot_size: int, nslots: int, name: str):
+        super().__init__(room + slot_size, nslots, name=name)
+        self.room = room
+        self.slot_size = slot_size  # what a caller's slot holds (try_alloc sizes by it)
+        self._slots = [_RoomSlot(self, i) for i in range(nslots)]
+
+
+class _RdmaMessage(Message):
+    __slots__ = ("_conn", "_index", "_large")
+
+    def __init__(self, header: Any, buffers: list, conn: "RdmaConnection", index: int, large: bool):
+        self.header = header
+        self.buffers = buffers
+        self._on_release = None
+        self.released = False
+        self._conn = conn
+        self._index = index
+        self._large = large
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        for b in self.buffers:
+            b.release()
+        self.buffers = []
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn._release(self._index, self._large)
+
+
+def _wc_status(status: int) -> str:
+    for name in dir(E):
+        if name.startswith("IBV_WC_") and getattr(E, name) == status and "SUCCESS" not in name:
+            return name
+    return str(status)
+
+
+class RdmaConnection(Connection):
+    """One RC queue pair and its registered pools (see the module docstring)."""
+
+    def __init__(self, sock: socket.socket, url: str, *, slot_size: int, nslots: int,
+                 timeout: float, deadline: Deadline, device: Optional[str] = None,
+                 gid_index: Optional[int] = None, ib_port: Optional[int] = None,
+                 small_size: int, spin: float, peer_hello: Optional[dict] = None,
+                 choice: Optional[DeviceChoice] = None):
+        self.url = url
+        self.sock = sock
+        self.default_timeout = timeout
+        self.stats = ConnectionStats()
+        self.max_message = 0
+        self._spin = spin
+        self._closed = False
+        self._dead: Optional[str] = None  # a QP/work-completion error or a protocol error
+        self._gone: Optional[str] = None  # the peer closed or died (side channel)
+        self._inbox: collections.deque = collections.deque()
+        self._verbs: Optional[Verbs] = None
+        self._pools: list = []
+        self._ep = self._pub = None
+        self._fd_used = False
+        self._armed_recv = self._armed_send = False
+        # sender state
+        self._tx_credits = 0
+        self._tx_slots: collections.deque = collections.deque()
+        self._tx_free = bytearray()
+        self._ctrl_budget = 0
+        self._inflight: collections.deque = collections.deque()  # [wr_id, nwr, slots, hdr]
+        self._sq_used = 0
+        self._unsig = 0  # records posted since the last signaled one
+        self._wr_seq = 0
+        # receiver state
+        self._owed_credits = 0
+        self._owed_slots: list = []
+        self._owed_acks = 0
+        self._unreturned = 0  # data messages received whose credit has not gone back yet
+        try:
+            self._setup(slot_size, nslots, device, gid_index, ib_port, small_size, deadline, peer_hello,
+                        choice)
+        except BaseException:
+            self._teardown()
+            raise
+
+    # ------------------------------------------------------------------ set-up
+    def _setup(self, slot_size, nslots, device, gid_index, ib_port, small_size, deadline, peer_hello,
+               choice):
+        if not 1 <= nslots <= hs.MAX_NSLOTS:
+            raise ValueError(f"nslots must be in 1..{hs.MAX_NSLOTS}, got {nslots}")
+        if slot_size <= 0:
+            raise ValueError(f"slot_size must be positive, got {slot_size}")
+        if small_size < 32 + 3 * nslots or small_size < 256:
+            raise ValueError(f"small_size={small_size} is too small for nslots={nslots} "
+                             f"(needs {max(256, 32 + 3 * nslots)})")
+        if choice is None:
+            choice = pick_device(hs.local_ip(self.sock), device=device, gid_index=gid_index, port=ib_port)
+        nrecv = nslots + NCTRL
+        v = self._verbs = Verbs(choice, nrecv=nrecv, sq_depth=max(128, 4 * nslots + 4 * NCTRL))
+        self.recv_pool = BufferPool(ROOM + slot_size, nslots, name=f"recv:{self.url}")
+        self._pools.append(self.recv_pool)
+        self._rbuf = BufferPool(small_size, nrecv, name=f"recv-small:{self.url}")
+        self._pools.append(self._rbuf)
+        self._recv_max = slot_size
+        self._recv_nslots = nslots
+        rw = E.IBV_ACCESS_LOCAL_WRITE | E.IBV_ACCESS_REMOTE_WRITE
+        recv_mr = v.register(self.recv_pool.address, self.recv_pool.length, rw)
+        rbuf_mr = v.register(self._rbuf.address, self._rbuf.length, E.IBV_ACCESS_LOCAL_WRITE)
+        v.to_init()
+        rb = self._rbuf
+        self._rwrs = [v.recv_wr(i, rb.address + i * rb.stride, small_size, rbuf_mr.lkey)
+                      for i in range(nrecv)]
+        for wr in self._rwrs:  # receives may be posted in INIT, before the peer can send
+            v.qp.post_recv(wr)
+        psn = int.from_bytes(__import__("os").urandom(3), "little")
+        ours = hs.params(gid=v.gid, qpn=v.qpn, psn=psn, mtu=v.active_mtu, max_msg=v.max_msg,
+                         addr=self.recv_pool.address, rkey=recv_mr.rkey, slot_size=slot_size,
+                         room=ROOM, stride=self.recv_pool.stride, nslots=nslots,
+                         small_size=small_size, nctrl=NCTRL)
+        if peer_hello is None:  # client: speak first
+            hs.send_hello(self.sock, ours, deadline)
+            peer_hello = hs.read_hello(self.sock, deadline)
+            peer = hs.validate(peer_hello)
+        else:  # server: the client's HELLO was read (and validated) by the listener
+            peer = hs.validate(peer_hello)
+            hs.send_hello(self.sock, ours, deadline)
+        self.peer = peer
+        if peer["small_size"] < 32 + 3 * nslots:
+            raise ProtocolError(f"the peer's receive buffers ({peer['small_size']} B) cannot hold a "
+                                f"credit message for our {nslots} slots")
+        max_msg = min(v.max_msg, peer["max_msg"])
+        self.max_message = min(peer["slot_size"], max_msg - peer["room"])
+        if self.max_message <= 0:
+            raise ProtocolError(f"no room for a message: max_msg {max_msg}, header room {peer['room']}")
+        self._peer_small = peer["small_size"]
+        self._peer_nslots = peer["nslots"]
+        self._peer_nctrl = peer["nctrl"]
+        self._raddr, self._rkey, self._rstride = peer["addr"], peer["rkey"], peer["stride"]
+        self.send_pool = _RoomPool(ROOM, self.max_message, peer["nslots"], name=f"send:{self.url}")
+        self._pools.append(self.send_pool)
+        self._send_lkey = v.register(self.send_pool.address, self.send_pool.length, 0).lkey
+        self._hdr = BufferPool(ROOM, 2 * NCTRL, name=f"send-hdr:{self.url}")
+        self._pools.append(self._hdr)
+        self._hdr_lkey = v.register(self._hdr.address, self._hdr.length, 0).lkey
+        self._tx_credits = peer["nslots"]
+        self._tx_slots.extend(range(peer["nslots"]))
+        self._tx_free = bytearray(b"\x01") * peer["nslots"]
+        self._ctrl_budget = peer["nctrl"]
+        # signal one send in `_sig_every`: each completion costs a pyverbs WC object
+        self._sig_every = max(1, min(16, peer["nslots"] // 4))
+        self._flush_at = max(1, nslots // 2)
+        self._ack_at = max(1, NCTRL // 2)
+        self.path_mtu = min(v.active_mtu, peer["mtu"])
+        v.to_rts(dest_qpn=peer["qpn"], dest_psn=peer["psn"], dgid=peer["gid"], mtu=self.path_mtu,
+                 sq_psn=psn)
+        hs.ready(self.sock, deadline)
+        self._wr, self._sge = v.send_wr()
+        self._qp = v.qp
+        self._recv_cq, self._send_cq = v.recv_cq, v.send_cq
+        self._recv_poll = select.poll()
+        self._recv_poll.register(v.recv_fd, select.POLLIN)
+        self._send_poll = select.poll()
+        self._send_poll.register(v.send_fd, select.POLLIN)
+        self._ep = select.epoll()
+        self._pub = select.epoll()
+        for ep in (self._ep, self._pub):
+            ep.register(v.recv_fd, select.EPOLLIN)
+            ep.register(self.sock.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
+        self._ep.register(v.send_fd, select.EPOLLIN)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def fileno(self) -> int:
+        if self._closed:
+            return -1
+        self._fd_used = True
+        self._quiesce()
+        return self._pub.fileno()
+
+    def pending(self) -> bool:
+        return bool(self._inbox)
+
+    def in_registered_memory(self, buf) -> bool:
+        return self.recv_pool.contains(buf) or self._rbuf.contains(buf)
+
+    def alloc(self, nbytes: int, timeout: Optional[float] = None) -> Slot:
+        self._check_open()
+        if not 0 <= nbytes <= self.max_message:
+            raise ValueError(f"{nbytes} bytes exceed the peer's largest message ({self.max_message})")
+        slot = self.send_pool.try_alloc()
+        if slot is None:
+            slot = self._wait_slot(Deadline(timeout, self.default_timeout))
+            if self._fd_used:
+                self._quiesce()
+        return slot.resize(nbytes)
+
+    def recv(self, timeout: Optional[float] = None) -> Message:
+        inbox = self._inbox
+        if inbox:
+            return inbox.popleft()
+        self._check_open()
+        deadline = None
+        while True:
+            if self._sq_used > self._verbs.sq_depth // 2:
+                self._poll_send()
+            self._poll_recv()
+            if inbox:
+                if self._fd_used:
+                    self._quiesce()
+                return inbox.popleft()
+            if self._dead or self._gone:
+                raise closed_error(self, self._dead or self._gone)
+            if deadline is None:
+                deadline = Deadline(timeout, self.default_timeout)
+            self._wait(deadline, "waiting for a message")
+
+    def send(self, header: Any, buffers: Sequence = (), timeout: Optional[float] = None) -> None:
+        pool = self.send_pool if not self._closed else None
+        own: list = []  # our send slots: they belong to the transport from here on
+        try:
+            segs, lens, total = self._segments(buffers, pool, own)
+            self._check_open()
+            if self._dead or self._gone:
+                raise closed_error(self, self._dead or self._gone)
+            if total > self.max_message:
+                raise ValueError(f"message of {total} bytes exceeds the peer's limit of {self.max_message}")
+            head = framing.encode_header(header, lens)  # TypeError before anything is sent
+            if len(head) > MAX_HEADER:
+                raise ValueError(f"header of {len(head)} bytes exceeds the limit of {MAX_HEADER}")
+            deadline = None
+            if self._tx_credits <= 0:
+                deadline = Deadline(timeout, self.default_timeout)
+                self.stats.credit_stalls += 1
+                while self._tx_credits <= 0:
+                    if self._dead or self._gone:
+                        raise closed_error(self, self._dead or self._gone)
+                    self._wait(deadline, "waiting for credits")
+            if segs and segs[-1] is None:  # unregistered buffers: one copy into one slot
+                deadline = deadline or Deadline(timeout, self.default_timeout)
+                segs = self._stage(buffers, segs, own, deadline)
+            self._post_data(header, head, lens, segs, total, own, timeout, deadline)
+            own = []
+        finally:
+            for s in own:
+                s.release()
+        if self._fd_used:
+            self._quiesce()
+
+    def _send_raw(self, frame: bytes) -> None:
+        self._check_open()
+        if len(frame) > self._peer_small:
+            raise ValueError(f"a raw frame must fit the peer's receive buffers ({self._peer_small} B)")
+        deadline = Deadline(self.default_timeout)
+        while self._tx_credits <= 0:
+            self._wait(deadline, "waiting for credits")
+        hdr = self._wait_hdr(deadline)
+        hdr.whole[:len(frame)] = frame
+        self._ensure_sq(1, deadline)
+        self._tx_credits -= 1
+        self._post_chain([(self._hdr.address + hdr.offset, len(frame), self._hdr_lkey)],
+                         E.IBV_WR_SEND, 0, None, [], hdr)
+
+    # ------------------------------------------------------------------ sending
+    def _segments(self, buffers: Sequence, pool, own: list):
+        """The message's non-empty segments in order: (addr, len) for our slots, None for
+        buffers still to be staged; the header's buffer lengths; the total."""
+        if len(buffers) > framing.MAX_BUFFERS:
+            for b in buffers:
+                if isinstance(b, _RoomSlot) and b.pool is pool:
+                    own.append(b)
+            raise ValueError(f"{len(buffers)} buffers exceed the limit of {framing.MAX_BUFFERS}")
+        segs: list = []
+        lens: list = []
+        total = 0
+        staged = False
+        for b in buffers:
+            if type(b) is _RoomSlot and b.pool is pool:
+                if b in own:
+                    raise ValueError("the same slot appears twice in one message")
+                own.append(b)
+                n = b.nbytes
+                if n:
+                    segs.append((pool.address + b.offset, n))
+            else:
+                n = memoryview(b).nbytes
+                if n:
+                    segs.append(None)
+                    staged = True
+            lens.append(n)
+            total += n
+        if staged:
+            segs.append(None)  # marker: _stage() must run
+        return segs, lens, total
+
+    def _stage(self, buffers: Sequence, segs: list, own: list, deadline: Deadline) -> list:
+        slot = self._wait_slot(deadline)
+        own.append(slot)
+        pool = self.send_pool
+        base = pool.address + slot.offset
+        mem = slot.whole
+        out, off, i = [], 0, 0
+        for b in buffers:
+            if type(b) is _RoomSlot and b.pool is pool:
+                if b.nbytes:
+                    out.append(segs[i])
+                    i += 1
+                continue
+            mv = memoryview(b)
+            n = mv.nbytes
+            if not n:
+                continue
+            if mv.ndim != 1 or mv.format != "B":
+                mv = mv.cast("B") if mv.c_contiguous else memoryview(mv.tobytes())
+            mem[off:off + n] = mv
+            self.stats.copies += 1
+            if out and out[-1][0] + out[-1][1] == base + off:
+                out[-1] = (out[-1][0], out[-1][1] + n)  # adjacent staged buffers: one segment
+            else:
+                out.append((base + off, n))
+            off += n
+            i += 1
+        return out
+
+    def _post_data(self, user, head, lens, segs, total, own, timeout, deadline) -> None:
+        hdr = None
+        try:
+            if not segs:  # header only: it needs registered memory of its own
+                deadline = deadline or Deadline(timeout, self.default_timeout)
+                hdr = self._wait_hdr(deadline)
+            if self._sq_used + max(1, len(segs)) > self._verbs.sq_depth:
+                deadline = deadline or Deadline(timeout, self.default_timeout)
+                self._ensure_sq(max(1, len(segs)), deadline)
+        except BaseException:
+            if hdr is not None:
+                hdr.release()
+            raise
+        # from here on nothing waits (so the credits owed cannot change under us): the
+        # message is posted or the connection is dead
+        extra = self._take_owed(peek=True)
+        if extra is not None:
+            h2 = framing.encode_header(user, lens, extra)
+            if len(h2) <= MAX_HEADER:
+                head = h2
+            else:
+                extra = None  # no room to piggyback: the credits go in a credit message
+        hl = len(head)
+        off = round_up(PREFIX_SIZE + hl)
+        small = len(segs) <= 1 and off + total <= self._peer_small
+        if hdr is not None:
+            mem, pos = self._hdr.memory, hdr.offset
+            sges = [(self._hdr.address + pos, PREFIX_SIZE + hl, self._hdr_lkey)]
+        else:
+            a, n = segs[0]
+            pool = self.send_pool
+            pos = a - off - pool.address
+            mem = pool.memory
+            sges = [(a - off, off + n, self._send_lkey)]
+            sges.extend((sa, sn, self._send_lkey) for sa, sn in segs[1:])
+        PREFIX.pack_into(mem, pos, _MAGIC, _VERSION, _DATA, hl, total)
+        mem[pos + PREFIX_SIZE:pos + PREFIX_SIZE + hl] = head
+        if extra is not None:
+            self._take_owed()
+        self._tx_credits -= 1
+        if small:
+            self._post_chain(sges, E.IBV_WR_SEND, 0, None, own, hdr)
+        else:
+            s = self._tx_slots.popleft()
+            self._tx_free[s] = 0
+            self._post_chain(sges, E.IBV_WR_RDMA_WRITE_WITH_IMM, socket.htonl(s),
+                             self._raddr + s * self._rstride, own, hdr)
+        self.stats.messages_sent += 1
+        self.stats.bytes_sent += total
+
+    def _post_chain(self, sges, opcode, imm, raddr, slots, hdr) -> None:
+        """Post one message: one WR per scatter entry (WRITEs to consecutive offsets of the
+        remote slot, then the final ``opcode``), the last one signaled if it is due."""
+        wr, sge = self._wr, self._sge
+        self._wr_seq += 1
+        wid = self._wr_seq
+        signaled = self._unsig + 1 >= self._sig_every or self.send_pool.available <= self._sig_every
+        self._unsig = 0 if signaled else self._unsig + 1
+        last = len(sges) - 1
+        roff = 0
+        try:
+            for i, (addr, length, lkey) in enumerate(sges):
+                sge.addr = addr
+                sge.length = length
+                sge.lkey = lkey
+                wr.wr_id = wid
+                if i < last:
+                    wr.opcode = E.IBV_WR_RDMA_WRITE
+                    wr.send_flags = 0
+                else:
+                    wr.opcode = opcode
+                    wr.send_flags = E.IBV_SEND_SIGNALED if signaled else 0
+                    wr.imm_data = imm
+                if raddr is not None:
+                    wr.set_wr_rdma(self._rkey, raddr + roff)
+                    roff += length
+                self._qp.post_send(wr)
+        except PyverbsError as exc:
+            self._fail(f"posting a send failed: {exc}")  # the caller frees the slots
+            raise closed_error(self, self._dead) from None
+        self._sq_used += len(sges)
+        self._inflight.append([wid, len(sges), slots, hdr])
+
+    def _fence(self) -> None:
+        """A signaled zero-byte WRITE: completes every unsignaled send before it, so their
+        slots come back when nothing else would be signaled."""
+        if self._sq_used + 1 > self._verbs.sq_depth:
+            return
+        self._unsig = self._sig_every  # force the signal
+        self._post_chain([(self._hdr.address, 0, self._hdr_lkey)], E.IBV_WR_RDMA_WRITE, 0,
+                         self._raddr, [], None)
+
+    def _reclaim(self) -> int:
+        n = self._poll_send() if self._sq_used else 0
+        if not n and self._unsig and self._inflight and not self._dead:
+            self._fence()
+        return n
+
+    def _wait_slot(self, deadline: Deadline) -> Slot:
+        pool = self.send_pool
+        while True:
+            s = pool.try_alloc()
+            if s is not None:
+                return s
+            self._check_open()
+            if self._dead:
+                raise closed_error(self, self._dead)
+            if not self._inflight:  # every slot is held by the caller: nothing will free one
+                raise Timeout(f"all {pool.nslots} send slots are held by the caller")
+            if not self._reclaim():
+                self._wait(deadline, "waiting for a send slot", send=True)
+
+    def _wait_hdr(self, deadline: Deadline) -> Slot:
+        while True:
+            h = self._hdr.try_alloc()
+            if h is not None:
+                return h
+            self._check_open()
+            if self._dead:
+                raise closed_error(self, self._dead)
+            if not self._reclaim():
+                self._wait(deadline, "waiting for the send queue", send=True)
+
+    def _ensure_sq(self, nwr: int, deadline: Deadline) -> None:
+        while self._sq_used + nwr > self._verbs.sq_depth:
+            self._check_open()
+            if self._dead:
+                raise closed_error(self, self._dead)
+            if not self._reclaim():
+                self._wait(deadline, "waiting for the send queue", send=True)
+
+    # ------------------------------------------------------------------ credits
+    def _take_owed(self, peek: bool = False):
+        if not (self._owed_credits or self._owed_acks):
+            return None
+        extra = [self._owed_credits, self._owed_acks, self._owed_slots]
+        if not peek:
+            self._unreturned -= self._owed_credits
+            self._owed_credits = self._owed_acks = 0
+            self._owed_slots = []
+        return extra
+
+    def _release(self, index: int, large: bool) -> None:
+        if self._closed or self._dead:
+            return
+        if large:
+            self.recv_pool.free(index)
+            self._owed_slots.append(index)
+        else:
+            try:
+                self._qp.post_recv(self._rwrs[index])
+            except PyverbsError as exc:
+                self._fail(f"re-posting a receive failed: {exc}")
+                return
+        self._owed_credits += 1
+        # batch credit returns, except when the sender has none left (it is waiting)
+        if self._owed_credits >= self._flush_at or self._unreturned >= self._recv_nslots:
+            self._flush(force=True)
+
+    def _flush(self, force: bool = False) -> None:
+        """Send a credit message when credits or acks are due (``force``: we are about to
+        sleep, so return any credit at all: the peer may be waiting for it)."""
+        oc, oa = self._owed_credits, self._owed_acks
+        if not (oc >= self._flush_at or oa >= self._ack_at or (force and oc)):
+            return
+        if self._closed or self._dead or self._gone:
+            return
+        budget = self._ctrl_budget
+        if budget < 1 or (budget == 1 and not oa):  # the last one is kept for acks
+            return
+        if self._sq_used + 1 > self._verbs.sq_depth:
+            self._reclaim()
+            if self._sq_used + 1 > self._verbs.sq_depth:
+                return
+        hdr = self._hdr.try_alloc()
+        if hdr is None:
+            self._reclaim()
+            hdr = self._hdr.try_alloc()
+            if hdr is None:
+                return  # retried at the next wait
+        body = _packb(self._take_owed())
+        hdr.whole[:len(body)] = body
+        self._ctrl_budget -= 1
+        self._post_chain([(self._hdr.address + hdr.offset, len(body), self._hdr_lkey)],
+                         E.IBV_WR_SEND_WITH_IMM, socket.htonl(CTRL_IMM), None, [], hdr)
+
+    def _apply(self, extra) -> None:
+        """Credits, acks and slot indexes the peer returned (validated: a peer cannot
+        hand us credits it never had)."""
+        if (type(extra) is not list or len(extra) != 3 or type(extra[0]) is not int
+                or type(extra[1]) is not int or type(extra[2]) is not list
+                or extra[0] < 0 or extra[1] < 0):
+            raise ProtocolError(f"bad credit return {extra!r:.80}")
+        credits, acks, slots = extra
+        free = self._tx_free
+        for s in slots:
+            if type(s) is not int or not 0 <= s < self._peer_nslots or free[s]:
+                raise ProtocolError(f"credit for slot {s!r}, which we do not hold")
+            free[s] = 1
+        self._tx_slots.extend(slots)
+        self._tx_credits += credits
+        self._ctrl_budget += acks
+        if (self._tx_credits > self._peer_nslots or self._ctrl_budget > self._peer_nctrl
+                or len(self._tx_slots) < self._tx_credits):
+            raise ProtocolError("the peer returned more credits than it was given")
+
+    # ------------------------------------------------------------------ completions
+    def _poll_send(self) -> int:
+        n, wcs = self._send_cq.poll(16)
+        inflight = self._inflight
+        for wc in wcs:
+            if wc.status != E.IBV_WC_SUCCESS:
+                self._fail(f"send failed: {_wc_status(wc.status)}")
+            wid = wc.wr_id
+            while inflight:
+                rec = inflight.popleft()
+                self._sq_used -= rec[1]
+                for s in rec[2]:
+                    s.release()
+                if rec[3] is not None:
+                    rec[3].release()
+                if rec[0] == wid:
+                    break
+        if self._dead:  # flushed or not, nothing in flight will complete any more
+            while inflight:
+                rec = inflight.popleft()
+                for s in rec[2]:
+                    s.release()
+                if rec[3] is not None:
+                    rec[3].release()
+            self._sq_used = 0
+        return n
+
+    def _poll_recv(self) -> int:
+        n, wcs = self._recv_cq.poll(16)
+        if not n:
+            return 0
+        try:
+            for wc in wcs:
+                if wc.status != E.IBV_WC_SUCCESS:
+                    self._fail(f"receive failed: {_wc_status(wc.status)}")
+                    continue
+                op = wc.opcode
+                if op == E.IBV_WC_RECV:
+                    if wc.wc_flags & E.IBV_WC_WITH_IMM:
+                        self._on_ctrl(wc.wr_id, wc.byte_len, wc.imm_data)
+                    else:
+                        self._on_small(wc.wr_id, wc.byte_len)
+                elif op == E.IBV_WC_RECV_RDMA_WITH_IMM:
+                    self._on_large(wc.wr_id, wc.imm_data)
+                else:
+                    raise ProtocolError(f"unexpected receive completion opcode {op}")
+        except (ProtocolError, ValueError) as exc:
+            err = exc if isinstance(exc, ProtocolError) else ProtocolError(str(exc))
+            self._dead = f"protocol error: {err}"
+            self.close()
+            raise err from None
+        if self._owed_acks >= self._ack_at or self._owed_credits >= self._flush_at:
+            self._flush()
+        return n
+
+    def _decode(self, mem, base: int, frame_len: Optional[int]):
+        """Validate the frame at ``mem[base:]``: (header, buffer views, extra)."""
+        kind, hlen, plen = framing.decode_prefix(mem[base:base + PREFIX_SIZE], max_payload=self._recv_max)
+        if kind != _DATA:
+            if kind == Kind.CLOSE:
+                return None
+            raise ProtocolError(f"unexpected {Kind(kind).name} frame")
+        if frame_len is None:  # a slot: the payload starts at the next 64-byte boundary
+            off = round_up(PREFIX_SIZE + hlen)
+        else:  # a receive buffer: the payload is what follows the header and its padding
+            off = frame_len - plen
+            if off < PREFIX_SIZE + hlen:
+                raise ProtocolError(f"a frame of {frame_len} bytes is shorter than its prefix says")
+        user, lens, extra = framing.decode_header(mem[base + PREFIX_SIZE:base + PREFIX_SIZE + hlen], plen)
+        if extra is not None:
+            self._apply(extra)
+        p = base + off
+        bufs = []
+        for n in lens:
+            bufs.append(mem[p:p + n])
+            p += n
+        self.stats.messages_received += 1
+        self.stats.bytes_received += plen
+        self._unreturned += 1
+        return user, bufs
+
+    def _on_small(self, i: int, length: int) -> None:
+        if not 0 <= i < len(self._rwrs) or length < PREFIX_SIZE:
+            raise ProtocolError(f"a {length}-byte SEND is not a frame")
+        got = self._decode(self._rbuf.memory, i * self._rbuf.stride, length)
+        if got is None:  # a CLOSE frame: the peer says goodbye
+            self._qp.post_recv(self._rwrs[i])
+            self._gone = "peer closed the connection"
+            return
+        self._inbox.append(_RdmaMessage(got[0], got[1], self, i, False))
+
+    def _on_large(self, i: int, imm: int) -> None:
+        self._qp.post_recv(self._rwrs[i])  # a WRITE WITH IMMEDIATE leaves the buffer unused
+        s = socket.ntohl(imm)
+        if s >= self._recv_nslots:
+            raise ProtocolError(f"WRITE into slot {s}, we have {self._recv_nslots}")
+        pool = self.recv_pool
+        try:
+            pool.take(s)
+        except ValueError:
+            raise ProtocolError(f"the peer wrote into slot {s}, which a message still holds") from None
+        got = self._decode(pool.memory, s * pool.stride, None)
+        if got is None:
+            raise ProtocolError("a CLOSE frame in a slot")
+        self._inbox.append(_RdmaMessage(got[0], got[1], self, s, True))
+
+    def _on_ctrl(self, i: int, length: int, imm: int) -> None:
+        if socket.ntohl(imm) != CTRL_IMM:
+            raise ProtocolError(f"SEND with unknown immediate {socket.ntohl(imm):#x}")
+        base = i * self._rbuf.stride
+        try:
+            body = msgpack.unpackb(self._rbuf.memory[base:base + length], raw=False)
+        except Exception as exc:
+            raise ProtocolError(f"undecodable credit message: {exc}") from None
+        self._qp.post_recv(self._rwrs[i])
+        self._owed_acks += 1
+        self._apply(body)
+
+    # ------------------------------------------------------------------ waiting
+    def _wait(self, deadline: Deadline, what: str, send: bool = False) -> None:
+        """Wait until a completion or the side channel may have made progress (or raise
+        Timeout at the deadline): busy-poll for ``spin``, then arm and sleep in epoll.
+        With sends in flight the send CQ is watched too, whatever we wait for: a send that
+        fails (the peer's QP is gone) is how a waiter for credits learns the QP is dead."""
+        send = send or bool(self._inflight)
+        left = deadline.remaining()
+        if left > 0 and self._spin > 0:
+            now = time.monotonic
+            end = now() + min(self._spin, left)
+            while True:
+                if self._poll_recv() or (send and self._poll_send()):
+                    return
+                if now() >= end:
+                    break
+        self._flush(force=True)
+        if not self._armed_recv:
+            self._recv_cq.req_notify()
+            self._armed_recv = True
+        if send and not self._armed_send:
+            self._send_cq.req_notify()
+            self._armed_send = True
+        # a completion that came before the arming raises no event: look once more
+        if self._poll_recv() or (send and self._poll_send()):
+            return
+        if self._dead or self._gone:
+            return
+        events = self._ep.poll(deadline.remaining())
+        if not events:
+            deadline.check(what)
+            return
+        v = self._verbs
+        for fd, _ in events:
+            if fd == v.recv_fd:
+                self._consume(True)
+            elif fd == v.send_fd:
+                self._consume(False)
+            else:
+                self._check_side()
+
+    def _consume(self, recv: bool) -> None:
+        v = self._verbs
+        cc, cq = (v.recv_cc, v.recv_cq) if recv else (v.send_cc, v.send_cq)
+        try:
+            cc.get_cq_event(cq)
+        except PyverbsError:
+            return  # nothing there (the fd is non-blocking)
+        cq.ack_events(1)
+        if recv:
+            self._armed_recv = False
+        else:
+            self._armed_send = False
+
+    def _quiesce(self) -> None:
+        """For fd users: leave the receive CQ armed with no event pending and nothing
+        unprocessed, so the fd polls readable only for something new."""
+        if self._closed or self._dead:
+            return
+        while True:
+            if self._armed_recv:
+                if not self._recv_poll.poll(0):
+                    return
+                self._consume(True)
+            self._recv_cq.req_notify()
+            self._armed_recv = True
+            if not self._poll_recv():
+                return
+
+    def _check_side(self) -> None:
+        """The side channel is readable: the peer closed (CLOSE frame, EOF) or died."""
+        if self._gone:
+            return
+        try:
+            data = self.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            why = f"peer vanished ({exc})"
+        else:
+            close = framing.frame_close()
+            if data and not close.startswith(data[:PREFIX_SIZE]):
+                self._dead = "protocol error: unexpected bytes on the side channel"
+                self.close()
+                raise ProtocolError("unexpected bytes on the rdma side channel")
+            why = "peer closed the connection" if data else "peer vanished (side channel EOF)"
+        # everything the peer sent before it went is in our CQ already: deliver it first
+        while self._poll_recv():
+            pass
+        self._gone = self._gone or why
+        try:  # the fd stays readable (EOF): only the public fd keeps watching it
+            self._ep.unregister(self.sock.fileno())
+        except (OSError, ValueError):
+            pass
+
+    def _fail(self, why: str) -> None:
+        if self._dead is None:
+            self._dead = why
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConnectionClosed(f"{self.url}: connection is closed")
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            if self._verbs is not None and self.max_message and not (self._dead or self._gone):
+                self._linger()
+            if self.max_message and not self._gone:
+                try:
+                    self.sock.send(framing.frame_close(), socket.MSG_DONTWAIT)
+                except OSError:
+                    pass
+        finally:
+            self._teardown()
+
+    def _linger(self) -> None:
+        """Wait (bounded) until what we sent has completed, so it is delivered."""
+        deadline = Deadline(min(self.default_timeout, CLOSE_LINGER))
+        try:
+            while self._inflight and not self._dead and not self._gone:
+                if not self._reclaim():
+                    self._wait(deadline, "closing", send=True)
+        except TransportError:
+            pass
+
+    def _teardown(self) -> None:
+        self._closed = True
+        for m in self._inbox:
+            m._conn = None
+        self._inbox.clear()
+        for rec in self._inflight:
+            for s in rec[2]:
+                try:
+                    s.release()
+                except ValueError:
+                    pass
+        self._inflight.clear()
+        if self._verbs is not None:
+            self._verbs.close()
+        for ep in (self._ep, self._pub):
+            if ep is not None:
+                ep.close()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        for p in self._pools:
+            p.close()
+        self._pools = []
