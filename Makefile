@@ -43,6 +43,20 @@ test-rdma: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/moe-bench transport --json bench-results/transport.json
 
+# rdma:// beside perftest (ib_send_lat, ib_send_bw, ib_write_bw) on the rxe device in the guest
+RDMA_SIZES ?= 64,4K,64K,1M
+bench-rdma: $(STAMP)
+	@mkdir -p bench-results
+	$(PY) -m tests.rxe.vm run --out bench-results -- python3 -m bench.cli transport --backend rdma \
+	  --sizes $(RDMA_SIZES) --json /mnt/job/out/rdma.json
+	@echo "wrote bench-results/rdma.json"
+
+bench-moe: $(STAMP)
+	$(VENV)/bin/moe-bench moe --json bench-results/moe.json
+
+compose-check: $(STAMP)
+	docker-compose -f docker-compose.yml config -q && echo "docker-compose.yml: valid"
+
 bench-micro: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider bench/micro --benchmark-only --benchmark-columns=min,median,mean,ops
 

@@ -42,6 +42,9 @@ class Peer:
     def serve_setup(self) -> Any:
         return None
 
+    def serve_connect(self, info: Any) -> None:
+        raise NotImplementedError
+
     def serve_echo(self, size: int, n: int) -> None:
         raise NotImplementedError
 
@@ -56,7 +59,10 @@ class Peer:
                 if cmd[0] == "quit":
                     break
                 op, size, n = cmd
-                (self.serve_echo if op == "ping" else self.serve_sink)(size, n)
+                if op == "connect":  # size carries the client's connection details
+                    self.serve_connect(size)
+                else:
+                    (self.serve_echo if op == "ping" else self.serve_sink)(size, n)
                 ctrl.send(("done", None))
         except Exception as e:  # surfaced to the parent instead of a silent hang
             try:
@@ -385,3 +391,114 @@ class ShmFloorPeer(Peer):
     def client_close(self):
         self.words.release()
         self._map.close()
+
+
+class RdmaFloorPeer(Peer):
+    """The bare pyverbs floor: SENDs between two RC QPs driven from Python, busy-polled
+    CQs, one work request built once, no framing, no header, a minimal credit window.
+    Nothing in Python over pyverbs can beat it; perftest (C, same device) shows what the
+    device itself does, so ours/raw is the protocol's cost and raw/perftest Python's."""
+
+    impl, backend = "raw", "rdma"
+    NRECV = 16  # receives posted: the sender's window
+    ACK_EVERY = NRECV // 2
+
+    def _open(self) -> dict:
+        import numpy as np
+        from transport.rdma_device import pick_device
+        from transport.rdma_verbs import E, Verbs
+        v = Verbs(pick_device(), nrecv=self.NRECV, sq_depth=2 * self.NRECV)
+        try:
+            stride = self.max_size
+            buf = np.zeros(stride * (self.NRECV + 1), np.uint8)  # receives, then the send buffer
+            mr = v.register(buf.ctypes.data, buf.nbytes, E.IBV_ACCESS_LOCAL_WRITE)
+            v.to_init()
+            base = buf.ctypes.data
+            self._rwrs = [v.recv_wr(i, base + i * stride, stride, mr.lkey) for i in range(self.NRECV)]
+            for wr in self._rwrs:
+                v.qp.post_recv(wr)
+            wr, sge = v.send_wr()
+            sge.addr, sge.lkey = base + self.NRECV * stride, mr.lkey
+            wr.opcode, wr.send_flags = E.IBV_WR_SEND, E.IBV_SEND_SIGNALED
+        except BaseException:
+            v.close()
+            raise
+        self._v, self._buf, self._wr, self._sge = v, buf, wr, sge
+        self._qp, self._rcq, self._scq = v.qp, v.recv_cq, v.send_cq
+        return {"gid": v.gid, "qpn": v.qpn, "mtu": v.active_mtu}
+
+    def _connect(self, peer: dict) -> None:
+        # rnr_retry 7 (forever): a receive not re-posted yet is waited for, never an error
+        self._v.to_rts(dest_qpn=peer["qpn"], dest_psn=0, dgid=peer["gid"],
+                       mtu=min(self._v.active_mtu, peer["mtu"]), sq_psn=0, rnr_retry=7)
+
+    def _send(self, size: int) -> None:
+        self._sge.length = size
+        self._qp.post_send(self._wr)
+        scq = self._scq
+        while True:
+            n, wcs = scq.poll(1)
+            if n:
+                if wcs[0].status:
+                    raise ConnectionError(f"send failed: status {wcs[0].status}")
+                return
+
+    def _recv(self) -> None:
+        rcq = self._rcq
+        while True:
+            n, wcs = rcq.poll(1)
+            if n:
+                wc = wcs[0]
+                if wc.status:
+                    raise ConnectionError(f"receive failed: status {wc.status}")
+                self._qp.post_recv(self._rwrs[wc.wr_id])
+                return
+
+    # server (child)
+    def serve_setup(self):
+        return self._open()
+
+    def serve_connect(self, info):
+        self._connect(info)
+
+    def serve_echo(self, size, n):
+        for _ in range(n):
+            self._recv()
+            self._send(size)
+
+    def serve_sink(self, size, n):
+        for i in range(1, n + 1):
+            self._recv()
+            if i % self.ACK_EVERY == 0 or i == n:
+                self._send(0)  # credits back (the last one is the stream's ack)
+
+    # client (parent)
+    def client_setup(self, info):
+        mine = self._open()
+        self._connect(info)
+        self._ctrl.send(("connect", mine, 0))
+        self._reply("done")
+
+    def ping(self, size):
+        self._send(size)
+        self._recv()
+
+    def command(self, op, size, n):
+        super().command(op, size, n)
+        self._credits, self._n, self._acks = self.NRECV, n, 0
+
+    def send_one(self, size):
+        if self._credits == 0:  # the sink re-posted ACK_EVERY receives and said so
+            self._recv()
+            self._acks += 1
+            self._credits += self.ACK_EVERY
+        self._send(size)
+        self._credits -= 1
+
+    def wait_ack(self):
+        for _ in range(-(-self._n // self.ACK_EVERY) - self._acks):  # the sink acks ceil(n / ACK_EVERY) times
+            self._recv()
+
+    def client_close(self):
+        if hasattr(self, "_v"):
+            self._v.close()

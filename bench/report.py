@@ -63,6 +63,8 @@ def ratios(results: list[dict]) -> dict:
                 row[f"lat_vs_{impl}"] = r["lat_us"]["p50"] / p["lat_us"]["p50"]
                 if p.get("bw_gbps"):
                     row[f"bw_vs_{impl}"] = r["bw_gbps"] / p["bw_gbps"]
+                if p.get("write_bw_gbps"):
+                    row["bw_vs_ib_write_bw"] = r["bw_gbps"] / p["write_bw_gbps"]
         out["per_size"].append(row)
 
     def lat(impl, backend, size):
@@ -91,6 +93,9 @@ def ratios(results: list[dict]) -> dict:
             for s in (64, 4096):
                 a, f = lat("moe-transport", "rdma", s), lat("perftest", "rdma", s)
                 target(f"rdma {human(s)} latency / ib_send_lat", a / f if a and f else None, 1.5, lambda v: v <= 1.5)
+            o, p = idx.get(("moe-transport", "rdma", 1 << 20)), idx.get(("perftest", "rdma", 1 << 20))
+            target("rdma 1MiB bandwidth / ib_write_bw", o["bw_gbps"] / p["write_bw_gbps"] if o and p else None,
+                   0.7, lambda v: v >= 0.7)
         zs = [row["lat_vs_pyzmq"] for row in out["per_size"] if row["backend"] == b and "lat_vs_pyzmq" in row]
         if zs:
             target(f"{b} worst latency / pyzmq over all sizes", max(zs), 1.0, lambda v: v < 1.0)

@@ -92,7 +92,10 @@ def _url(backend: str) -> str:
         return "tcp://127.0.0.1:0"
     if backend == "shm":
         return f"shm://moe-bench-{uuid.uuid4().hex[:8]}"
-    ip = os.environ.get("MOE_RDMA_IP", "10.0.2.15")
+    ip = os.environ.get("MOE_RDMA_IP")
+    if not ip:  # the IPv4 of the RoCE v2 GID rdma:// would pick (10.0.2.15 in the rxe guest)
+        from transport.rdma_device import pick_device
+        ip = pick_device().ipv4
     return f"rdma://{ip}:0"
 
 
@@ -105,6 +108,8 @@ def make_peers(backend: str, max_size: int, with_peers: bool) -> list[peers.Peer
         others.append(peers.RawTcpPeer(max_size))
     elif backend == "shm":
         others.append(peers.ShmFloorPeer(max_size))
+    elif backend == "rdma":
+        others.append(peers.RdmaFloorPeer(max_size))
     try:
         import zmq  # noqa: F401
         others.append(peers.ZmqPeer(max_size))
@@ -112,6 +117,15 @@ def make_peers(backend: str, max_size: int, with_peers: bool) -> list[peers.Peer
         print("note: pyzmq is not installed here; its rows are left out")
     others.append(peers.PipePeer(max_size))
     return ours + others
+
+
+def _perftest_row(size: int, iters: int) -> dict:
+    """perftest on the same device, same size, comparable counts (rdma only)."""
+    from . import perftest
+    if not perftest.available():
+        raise SystemExit("moe-bench transport --backend rdma: perftest (ib_send_lat, ib_send_bw, "
+                         "ib_write_bw) is not installed; apt-get install perftest, or pass --no-peers")
+    return perftest.measure(size, _iters(size, iters), _count(size))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -137,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
                     results.append(rec)
                     if p.impl in ("pipe", "pyzmq"):
                         shared_peers[key] = rec
+                if backend == "rdma" and not args.no_peers:
+                    results.append(_perftest_row(size, iters))
                 progress.advance(f"{backend} {report.human(size)}")
         finally:
             for p in started:
