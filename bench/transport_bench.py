@@ -12,7 +12,6 @@ import os
 import platform
 import time
 import uuid
-from typing import Any
 
 import numpy as np
 

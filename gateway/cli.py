@@ -2,6 +2,9 @@
 
     moe-gateway --listen tcp://127.0.0.1:7000 --workers tcp://10.0.0.2:5000,tcp://10.0.0.3:5000
     moe-gateway --listen shm://gw --local-workers 2 --backend shm      # spawns and owns them
+    moe-gateway update --gateway tcp://127.0.0.1:7000 start --experts 3 --version 1 --weights e3v1.npz --wait
+    moe-gateway update --gateway tcp://127.0.0.1:7000 advance       # 1% -> 5% -> 25% -> 50% -> 100%
+    moe-gateway update --gateway tcp://127.0.0.1:7000 finish        # (or rollback)
 
 Prints ``LISTENING <url>`` as its first stdout line. SIGTERM: stop accepting, answer what
 is queued and in flight, stop the local workers, exit 0.
@@ -131,7 +134,70 @@ def make_router(args):
                   bias=None if bias is None else np.asarray(bias, np.float32))
 
 
+def build_update_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="moe-gateway update", description="Hot-update experts of a running moe-gateway: load a new "
+        "version on its workers (they keep serving), shift traffic to it in steps, finish or roll back.")
+    p.add_argument("--gateway", required=True, help="the gateway's client URL")
+    p.add_argument("--timeout", type=float, default=30.0)
+    sub = p.add_subparsers(dest="action", required=True)
+    st = sub.add_parser("start", help="load the new version everywhere; traffic starts at the first step")
+    st.add_argument("--experts", required=True, help="e.g. 3 or 0-3 or 1,5")
+    st.add_argument("--version", type=int, required=True)
+    src = st.add_mutually_exclusive_group(required=True)
+    src.add_argument("--weights", help=".npz (SwiGLUExpert.save_many) every worker can read")
+    src.add_argument("--seed", type=int, help="demo weights from this seed")
+    st.add_argument("--steps", default=None, help="traffic fractions, default 0.01,0.05,0.25,0.5,1")
+    st.add_argument("--auto-interval", type=float, default=None,
+                    help="advance every S seconds by itself, and finish after the last step")
+    adv = sub.add_parser("advance", help="the next traffic step")
+    adv.add_argument("--fraction", type=float, default=None, help="jump to the first step >= this")
+    fin = sub.add_parser("finish", help="all traffic to the new version; retire the old one")
+    rb = sub.add_parser("rollback", help="all traffic back to the old version; retire the new one")
+    sub.add_parser("status")
+    for q in (st, fin, rb):
+        q.add_argument("--wait", action="store_true",
+                       help="return once the workers acknowledged (loaded, or retired the other version)")
+    return p
+
+
+def update_main(argv: Sequence[str]) -> int:
+    import json
+    import time
+
+    from gateway.client import GatewayClient
+    from workers.protocol import RemoteError
+
+    args = build_update_parser().parse_args(argv)
+    fields: dict = {}
+    if args.action == "start":
+        fields = {"experts": parse_int_list(args.experts), "version": args.version,
+                  "steps": parse_floats(args.steps), "auto_interval": args.auto_interval}
+        fields.update({"weights": os.path.abspath(args.weights)} if args.weights else {"seed": args.seed})
+    elif args.action == "advance" and args.fraction is not None:
+        fields = {"fraction": args.fraction}
+    try:
+        with GatewayClient(args.gateway, timeout=args.timeout) as c:
+            status = c.update(args.action, **{k: v for k, v in fields.items() if v is not None})
+            deadline = time.monotonic() + args.timeout
+            while getattr(args, "wait", False) and status["state"] in ("loading", "finishing", "rolling_back"):
+                if time.monotonic() > deadline:
+                    print(json.dumps(status))
+                    print("moe-gateway update: timed out waiting", file=sys.stderr)
+                    return 1
+                time.sleep(0.1)
+                status = c.update("status")
+    except RemoteError as e:
+        print(f"moe-gateway update: {e.message}", file=sys.stderr)
+        return 2
+    print(json.dumps(status))
+    return 0 if status.get("state") != "failed" else 1
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["update"]:
+        return update_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"moe-gateway[{os.getpid()}] %(levelname)s %(message)s")
@@ -163,7 +229,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         if args.metrics_port is not None:
-            from workers.metrics import GatewayMetrics, serve
+            from gateway.metrics import GatewayMetrics
+            from workers.metrics import serve
 
             try:
                 serve(GatewayMetrics(server).attach().registry, args.metrics_port, args.metrics_addr)

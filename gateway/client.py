@@ -39,6 +39,7 @@ class GatewayClient:
         #: the gateway's timing of the round that served the last result (route_s, ...)
         self.last_timing: Optional[dict] = None
         self.last_round: Optional[int] = None
+        self.last_versions: Optional[list] = None
 
     def forward(self, x: np.ndarray, *, timeout: Optional[float] = None,
                 out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -101,7 +102,7 @@ class GatewayClient:
                 self._done[rid] = (h, y)
             elif op == P.ERROR:
                 self._done[rid] = P.RemoteError(str(h.get("code")), str(h.get("message")), self.url)
-            elif op == P.PONG:
+            elif op in (P.PONG, P.UPDATE):
                 self._done[rid] = (h, None)
             self._waiting.discard(rid)
 
@@ -114,6 +115,7 @@ class GatewayClient:
             return h
         self.last_timing = h.get("timing")
         self.last_round = h.get("round")
+        self.last_versions = h.get("versions")  # [[expert, version]] pinned during a hot update
         if out is not None:
             np.copyto(out, y)
             return out
@@ -126,6 +128,16 @@ class GatewayClient:
             self.conn.send(P.request(P.PING, rid), timeout=timeout)
             self._waiting.add(rid)
         return self.result(rid, timeout=timeout)
+
+    def update(self, action: str, *, timeout: Optional[float] = None, **fields: Any) -> dict:
+        """A hot-update command (start, advance, finish, rollback, status): the update's
+        status after it. ``start`` takes experts, version, weights or seed, steps,
+        auto_interval; ``advance`` an optional fraction. Raises RemoteError if refused."""
+        with self._lock:
+            rid = next(self._ids)
+            self.conn.send(P.request(P.UPDATE, rid, action=action, **fields), timeout=timeout)
+            self._waiting.add(rid)
+        return self.result(rid, timeout=timeout)["status"]
 
     def close(self) -> None:
         with self._lock:

@@ -25,6 +25,7 @@ import numpy as np
 import transport
 from gateway.dispatch import DispatchPlan, split_over_replicas
 from gateway.router import Router, Routing
+from gateway.update import DEFAULT_STEPS, Update, UpdateError
 from transport import ConnectionClosed, Timeout, TransportError
 from transport.poller import Poller
 from workers import protocol as P
@@ -51,7 +52,7 @@ class WorkerState:
     url: str
     conn: Any
     experts: list
-    versions: dict
+    versions: dict  # expert -> active version
     max_tokens: int
     healthy: bool = True
     draining: bool = False
@@ -63,6 +64,8 @@ class WorkerState:
     failures: int = 0
     compute_seconds: float = 0.0
     expert_rows: dict = field(default_factory=dict)  # expert_id -> rows sent
+    held: dict = field(default_factory=dict)  # expert -> versions the worker holds
+    cpu_s: float = 0.0  # the worker process's CPU seconds, as its last reply said
     pending: dict = field(default_factory=dict)  # round id -> rows awaiting a reply
     _next_ping: float = 0.0
 
@@ -80,7 +83,8 @@ class WorkerState:
                 "draining": self.draining, "closed": self.closed, "why": self.why,
                 "outstanding_rows": self.outstanding_rows, "rows_sent": self.rows_sent,
                 "batches_sent": self.batches_sent, "failures": self.failures,
-                "compute_seconds": self.compute_seconds,
+                "compute_seconds": self.compute_seconds, "cpu_s": self.cpu_s,
+                "versions": [[e, v, sorted(self.held.get(e, {v}))] for e, v in sorted(self.versions.items())],
                 "expert_rows": [[e, n] for e, n in sorted(self.expert_rows.items())]}
 
 
@@ -109,7 +113,7 @@ class BatchStats:
 
 
 class _Request:
-    __slots__ = ("x", "routing", "plan", "error", "bases")
+    __slots__ = ("x", "routing", "plan", "error", "bases", "pins")
 
     def __init__(self, x: np.ndarray):
         self.x: Optional[np.ndarray] = x
@@ -117,6 +121,7 @@ class _Request:
         self.plan: Optional[DispatchPlan] = None
         self.error: Optional[Exception] = None
         self.bases: dict = {}  # worker index -> first row of this request in its block
+        self.pins: dict = {}  # expert -> the weights version this request is served by
 
 
 class Round:
@@ -144,6 +149,10 @@ class Round:
 
     def routing(self, i: int) -> Optional[Routing]:
         return self.requests[i].routing
+
+    def versions(self, i: int) -> list:
+        """[[expert, version], ...] pinned for request ``i`` (during a hot update)."""
+        return [[e, v] for e, v in sorted(self.requests[i].pins.items())]
 
     def combine(self, i: int, out: np.ndarray) -> np.ndarray:
         """Weighted combine of request ``i``'s expert outputs into ``out`` (T, d), from the
@@ -259,6 +268,9 @@ class WorkerPool:
         self._poller: Optional[Poller] = None  # forward()'s own
         self._watchers: list = []  # (poller, data_fn): pollers the workers are registered in
         self._finished: list[Round] = []  # outbox of take_finished()
+        self.update: Optional[Update] = None  # the current (or last) hot update
+        self.updates: list[Update] = []  # every update, oldest first
+        self._ctrl: dict = {}  # request id -> (op, worker index, expert) of a load or retire
         try:
             for i, url in enumerate(urls):
                 conn = transport.connect(url, slot_size=slot_size, nslots=nslots, timeout=connect_timeout)
@@ -285,7 +297,7 @@ class WorkerPool:
             raise ValueError(f"worker {w.url} serves d_model={h.get('d_model')} {h.get('dtype')}, "
                              f"the gateway needs d_model={self.d_model} {self.dtype.name}")
         w.experts = sorted(int(e) for e in h.get("experts", []))
-        w.versions = {int(e): int(v) for e, v in h.get("versions", [])}
+        self._set_versions(w, h.get("versions", []))
         w.max_tokens = int(h.get("max_tokens", 0))
         if w.max_tokens < self.max_rows or w.conn.max_message < self.max_rows * self.row_bytes:
             raise ValueError(
@@ -296,6 +308,12 @@ class WorkerPool:
         bad = [e for e in w.experts if not 0 <= e < self.n_experts]
         if bad:
             log.warning("worker %s hosts experts %s beyond the router's %d", w.url, bad, self.n_experts)
+
+    @staticmethod
+    def _set_versions(w: WorkerState, versions: list) -> None:
+        """From info/pong: [[expert, active, [held, ...]], ...]."""
+        w.versions = {int(v[0]): int(v[1]) for v in versions}
+        w.held = {int(v[0]): set(int(x) for x in (v[2] if len(v) > 2 else [v[1]])) for v in versions}
 
     def _check_coverage(self) -> None:
         missing = [e for e in range(self.n_experts) if not any(e in w.experts for w in self.workers)]
@@ -365,6 +383,8 @@ class WorkerPool:
                 req.error = e
                 continue
             req.routing = routing
+            if self.update is not None and self.update.pinning:
+                req.pins = self.update.decide()
             st = rnd.stats
             st.tokens += x.shape[0]
             st.dropped += routing.dropped
@@ -427,7 +447,9 @@ class WorkerPool:
                 n = r.plan.worker_tokens(w)
                 if n:
                     r.plan.gather_into(r.x, w, block[base:base + n])
-                    groups.extend((e, base + s, c) for e, s, c in r.plan.groups(w))
+                    pins = r.pins
+                    groups.extend((e, base + s, c, pins[e]) if e in pins else (e, base + s, c)
+                                  for e, s, c in r.plan.groups(w))
             try:
                 ws.conn.send(P.forward_request(rnd.id, (rows, self.d_model), self.dtype, groups), [slot],
                              timeout=self.timeout)
@@ -439,8 +461,8 @@ class WorkerPool:
             ws.outstanding_rows += rows
             ws.rows_sent += rows
             ws.batches_sent += 1
-            for e, _, c in groups:
-                ws.expert_rows[e] = ws.expert_rows.get(e, 0) + c
+            for g in groups:
+                ws.expert_rows[g[0]] = ws.expert_rows.get(g[0], 0) + g[2]
         rnd.stats.rows = sum(rnd.rows.values())
         rnd.stats.workers = len(rnd.rows)
 
@@ -469,6 +491,10 @@ class WorkerPool:
     def _handle(self, w: WorkerState, msg) -> None:
         h = msg.header
         op = h.get("op") if isinstance(h, dict) else None
+        if P.request_id_of(h) in self._ctrl:
+            msg.release()
+            self._on_ctrl_reply(w, h)
+            return
         if op in (P.RESULT, P.ERROR) and P.request_id_of(h) in w.pending:
             rid = P.request_id_of(h)
             w.outstanding_rows -= w.pending.pop(rid)
@@ -492,6 +518,7 @@ class WorkerPool:
             rnd.replies[w.index] = (msg, msg.array(0, self.dtype, (rows, self.d_model)))
             cs = float(h.get("compute_s", 0.0))
             w.compute_seconds += cs
+            w.cpu_s = float(h.get("cpu_s", w.cpu_s))
             rnd.stats.compute_s = max(rnd.stats.compute_s, cs)
             rnd.stats.compute_total_s += cs
             if rnd.finished:
@@ -506,6 +533,8 @@ class WorkerPool:
             log.info("worker %s is draining: no new batches go to it", w.url)
             w.draining = True
         elif op == P.PONG:
+            if "versions" in h:
+                self._set_versions(w, h["versions"])
             if not w.closed and not h.get("draining"):
                 if not w.healthy:
                     log.info("worker %s is healthy again", w.url)
@@ -534,6 +563,10 @@ class WorkerPool:
             for poller, _ in self._watchers:
                 poller.unregister(w.conn)  # before close: its fd number may be reused at once
             w.conn.close()
+            for rid in [r for r, c in self._ctrl.items() if c[1] == w.index]:
+                del self._ctrl[rid]
+            if self.update is not None:
+                self.update.on_worker_lost(w.index)
         if not closed:
             return
         for rid in list(w.pending):
@@ -562,8 +595,16 @@ class WorkerPool:
         return self.take_finished()
 
     def tick(self, now: Optional[float] = None) -> None:
-        """Ping unhealthy (still connected) workers, so one that recovered comes back."""
+        """Ping unhealthy (still connected) workers, so one that recovered comes back; run a
+        hot update's automatic schedule."""
         now = time.monotonic() if now is None else now
+        if self.update is not None and self.update.pinning:
+            due = self.update.due()
+            if due is not None:
+                try:
+                    self.update_command(due)
+                except UpdateError as e:
+                    log.warning("automatic update %s: %s", due, e)
         for w in self.workers:
             if not w.closed and not w.healthy and now >= w._next_ping:
                 w._next_ping = now + HEALTH_INTERVAL
@@ -575,6 +616,102 @@ class WorkerPool:
     @property
     def in_flight(self) -> int:
         return len(self._rounds)
+
+    # -- hot update ------------------------------------------------------------
+    def _live_hosts(self, expert: int) -> list[WorkerState]:
+        return [w for w in self.workers if expert in w.experts and not w.closed]
+
+    def update_start(self, experts: Sequence[int], version: int, *, weights: Optional[str] = None,
+                     seed: Optional[int] = None, steps: Sequence[float] = DEFAULT_STEPS,
+                     auto_interval: Optional[float] = None) -> dict:
+        """Load ``version`` of ``experts`` on every worker hosting them (they keep serving),
+        then shift traffic to it in ``steps`` (see gateway/update.py). Returns the status."""
+        if self.update is not None and self.update.state.active:
+            raise UpdateError(f"an update is in progress ({self.update.state.value}); finish or roll it back")
+        if (weights is None) == (seed is None):
+            raise UpdateError("an update needs exactly one of weights (an .npz path every worker can read) or seed")
+        experts = sorted({int(e) for e in experts})
+        bad = [e for e in experts if not 0 <= e < self.n_experts]
+        if bad:
+            raise UpdateError(f"no expert {bad} (the layer has {self.n_experts})")
+        if auto_interval is not None and auto_interval <= 0:
+            raise UpdateError(f"auto interval must be > 0 seconds, got {auto_interval}")
+        old = {}
+        for e in experts:
+            hosts = self._live_hosts(e)
+            if not hosts:
+                raise UpdateError(f"expert {e} has no connected worker")
+            actives = {w.versions.get(e) for w in hosts}
+            if len(actives) != 1:
+                raise UpdateError(f"expert {e}'s workers disagree on its active version: "
+                                  + ", ".join(f"{w.url}={w.versions.get(e)}" for w in hosts))
+            old[e] = actives.pop()
+        up = Update(tuple(experts), old, int(version), steps=steps, auto_interval=auto_interval)
+        loads = [(w, e) for e in experts for w in self._live_hosts(e)]
+        up.waiting = {(w.index, e) for w, e in loads}
+        self.update = up
+        self.updates.append(up)
+        source = {"weights": weights} if weights is not None else {"seed": int(seed)}
+        for w, e in loads:
+            self._ctrl_send(w, P.LOAD, e, version=int(version), **source)
+        log.info("update to version %d of experts %s started", version, experts)
+        return up.status()
+
+    def update_command(self, action: str, fraction: Optional[float] = None) -> dict:
+        """advance / finish / rollback / status of the current update."""
+        up = self.update
+        if up is None:
+            if action == "status":
+                return {"state": "none"}
+            raise UpdateError("no update has been started")
+        if action == "advance":
+            up.advance(fraction)
+        elif action == "finish":
+            for w, e in up.finish({e: [w.index for w in self._live_hosts(e)] for e in up.experts}):
+                self._ctrl_send(self.workers[w], P.RETIRE, e, version=up.old[e])
+        elif action == "rollback":
+            for w, e in up.rollback():
+                self._ctrl_send(self.workers[w], P.RETIRE, e, version=up.new)
+        elif action != "status":
+            raise UpdateError(f"unknown update action {action!r}; use start, advance, finish, rollback, status")
+        return up.status()
+
+    def _ctrl_send(self, w: WorkerState, op: str, expert: int, **fields) -> None:
+        rid = self._next_id
+        self._next_id += 1
+        self._ctrl[rid] = (op, w.index, expert)
+        try:
+            w.conn.send(P.request(op, rid, expert=expert, **fields), timeout=self.timeout)
+        except TransportError as e:
+            self._ctrl.pop(rid, None)
+            self._worker_failed(w, f"{op} failed: {e}", closed=isinstance(e, ConnectionClosed))
+            if not w.closed and op == P.LOAD and self.update is not None:
+                self._retire_all(self.update.on_load_failed(w.index, expert, str(e)), self.update.new)
+
+    def _retire_all(self, pairs: list, version: int) -> None:
+        for wi, e in pairs:
+            self._ctrl_send(self.workers[wi], P.RETIRE, e, version=version)
+
+    def _on_ctrl_reply(self, w: WorkerState, h: dict) -> None:
+        op, wi, expert = self._ctrl.pop(P.request_id_of(h))
+        up = self.update
+        if h.get("op") == P.ERROR:
+            why = f"{h.get('code')}: {h.get('message')}"
+            log.warning("worker %s: %s of expert %d failed: %s", w.url, op, expert, why)
+            if up is not None and op == P.LOAD:
+                self._retire_all(up.on_load_failed(wi, expert, why), up.new)
+            elif up is not None:  # a retire that failed: the version is not held (anymore)
+                up.on_retired(wi, expert)
+            return
+        if op == P.LOAD and h.get("op") == P.LOADED:
+            w.held.setdefault(expert, set()).add(int(h["version"]))
+            if up is not None and up.on_loaded(wi, expert):  # rolled back meanwhile
+                self._ctrl_send(w, P.RETIRE, expert, version=up.new)
+        elif op == P.RETIRE and h.get("op") == P.RETIRED:
+            w.held.get(expert, set()).discard(int(h["version"]))
+            w.versions[expert] = int(h["active"])
+            if up is not None:
+                up.on_retired(wi, expert)
 
     # -- blocking API ----------------------------------------------------------
     def forward(self, x: np.ndarray, out: Optional[np.ndarray] = None, *,

@@ -126,6 +126,23 @@ class Router:
         # Used when route() gets no rng: reproducible per router, but stateful.
         self._rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(_NOISE_STREAM,)))
 
+    def describe(self) -> dict:
+        """The settings that rebuild this router elsewhere (a load generator steering tokens
+        to chosen experts, a cache model replaying its routing): plain msgpack values."""
+        return {"d_model": self.d_model, "n_experts": self.n_experts, "top_k": self.top_k,
+                "seed": self.seed, "noisy": self.noisy, "noise_std": self.noise_std,
+                "capacity_factor": self.capacity_factor, "overflow": self.overflow_policy,
+                "bias": None if self.bias is None else [float(b) for b in self.bias],
+                "dtype": self.dtype.name}
+
+    @classmethod
+    def from_description(cls, d: dict) -> "Router":
+        """The router :meth:`describe` describes (same seed: the same gate weights)."""
+        return cls(d["d_model"], d["n_experts"], d["top_k"], noisy=d.get("noisy", False),
+                   noise_std=d.get("noise_std", 1.0), capacity_factor=d.get("capacity_factor"),
+                   overflow=d.get("overflow", "drop"), seed=d.get("seed", 0), dtype=d.get("dtype", "float32"),
+                   bias=None if d.get("bias") is None else np.asarray(d["bias"], np.float32))
+
     def _param(self, a: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
         a = np.ascontiguousarray(a, dtype=self.dtype)
         if a.shape != shape:

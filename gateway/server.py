@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -22,6 +23,7 @@ import numpy as np
 
 import transport
 from gateway.pool import BatchStats, NoHealthyWorker, Round, WorkerPool, WorkerState
+from gateway.update import DEFAULT_STEPS, UpdateError
 from transport import ConnectionClosed, ProtocolError, Timeout, TransportError
 from transport.poller import Poller
 from workers import protocol as P
@@ -226,10 +228,15 @@ class GatewayServer:
     def _handle(self, conn, msg) -> None:
         rid = P.request_id_of(msg.header)
         try:
-            op = P.parse_op(msg.header, (P.FORWARD, P.PING))
+            op = P.parse_op(msg.header, (P.FORWARD, P.PING, P.UPDATE))
             if op == P.PING:
                 msg.release()
                 conn.send(self.pong(rid), timeout=self.io_timeout)
+                return
+            if op == P.UPDATE:
+                header = msg.header
+                msg.release()
+                conn.send({"op": P.UPDATE, "id": rid, "status": self.update(header)}, timeout=self.io_timeout)
                 return
             self.stats.requests += 1
             pool = self.pool
@@ -252,13 +259,37 @@ class GatewayServer:
         self._queued_tokens += batch.rows
         self.stats.tokens += batch.rows
 
+    def update(self, h: dict) -> dict:
+        """A hot-update command from a client (``moe-gateway update ...``): start, advance,
+        finish, rollback or status; see gateway/update.py. Bad ones are RequestErrors."""
+        action = h.get("action")
+        try:
+            if action == "start":
+                experts = h.get("experts")
+                version = h.get("version")
+                if not (isinstance(experts, list) and experts and all(type(e) is int for e in experts)):
+                    raise UpdateError(f"start needs experts: a list of expert ids, got {experts!r}")
+                if type(version) is not int or version < 0:
+                    raise UpdateError(f"start needs an integer version >= 0, got {version!r}")
+                interval = h.get("auto_interval")
+                return self.pool.update_start(experts, version, weights=h.get("weights"), seed=h.get("seed"),
+                                              steps=h.get("steps") or DEFAULT_STEPS,
+                                              auto_interval=None if interval is None else float(interval))
+            fraction = h.get("fraction")
+            return self.pool.update_command(str(action), None if fraction is None else float(fraction))
+        except (UpdateError, TypeError, ValueError) as e:
+            raise P.RequestError(P.BAD_REQUEST, f"update {action}: {e}") from None
+
     def pong(self, rid: Optional[int]) -> dict:
         return {"op": P.PONG, "id": rid, "gateway": self.stats.as_dict(), "workers": self.pool.stats(),
                 "queued": len(self._queue), "rounds_in_flight": len(self._rounds),
+                "cpu_s": time.process_time(), "pid": os.getpid(),
+                "update": self.pool.update.status() if self.pool.update is not None else None,
                 "config": {"max_batch_tokens": self.max_batch_tokens, "max_wait_ms": self.max_wait * 1000,
                            "max_inflight_rounds": self.max_inflight_rounds,
                            "n_experts": self.pool.n_experts, "top_k": self.pool.router.top_k,
-                           "d_model": self.pool.d_model, "dtype": self.pool.dtype.name}}
+                           "d_model": self.pool.d_model, "dtype": self.pool.dtype.name,
+                           "router": self.pool.router.describe()}}
 
     # -- rounds ----------------------------------------------------------------
     def _dispatch_ready(self, now: float, flush: bool = False) -> None:
@@ -338,6 +369,9 @@ class GatewayServer:
             fields = {"round": rnd.id, "round_requests": timing.requests, "timing": {
                 "route_s": timing.route_s, "dispatch_s": timing.dispatch_s, "compute_s": timing.compute_s,
                 "wait_s": timing.wait_s, "combine_s": timing.combine_s}}
+            versions = rnd.versions(i)
+            if versions:
+                fields["versions"] = versions
         conn.send(P.result_reply(rid, shape, pool.dtype, **fields), [slot], timeout=self.io_timeout)
         self.stats.replies += 1
 

@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 
@@ -190,3 +188,33 @@ def test_real_prometheus_scrapes_them(tmp_path):
             prom.kill()
             prom.wait(timeout=10)
         s.close()
+
+
+def test_hot_update_metrics_and_every_dashboard_metric_is_exposed(stack):
+    """During a hot update the gateway exports its traffic split and state, each worker the
+    versions it holds; and every metric the Grafana dashboard queries is really served."""
+    from pathlib import Path
+    with GatewayClient(stack.url, timeout=20.0) as client:
+        client.update("start", experts=[1], version=4, seed=SEED + 1, steps=[0.05, 0.5])
+        assert wait_until(lambda: client.update("status")["state"] == "shifting", timeout=20.0)
+        client.update("advance")
+        for n in REQUESTS:
+            client.forward(np.random.default_rng(n).standard_normal((n, D)).astype(np.float32))
+        gw = scrape(stack.gateway_metrics)
+        workers = [scrape(u) for u in stack.worker_metrics]
+        client.update("finish")
+    lab = dict(experts="1", old="0", new="4")
+    assert total(gw, "moe_gateway_update_fraction", **lab) == 0.5
+    assert total(gw, "moe_gateway_update_state", state="shifting", **lab) == 1
+    assert total(gw, "moe_gateway_update_state", **lab) == 1  # exactly one state is on
+    assert total(gw, "moe_gateway_update_requests_total", **lab) == len(REQUESTS)
+    held = [w for w in workers if total(w, "moe_expert_version_held", expert="1")]
+    assert len(held) == 1 and total(held[0], "moe_expert_version_held", expert="1", version="4") == 1
+    assert total(held[0], "moe_expert_version_held", expert="1", version="0") == 1  # both: the double buffer
+    assert total(gw, "moe_gateway_worker_expert_version", expert="1") == 0  # still the active one
+    assert all(total(s, "process_cpu_seconds_total") > 0 for s in [gw, *workers])
+    served = {name for s in [gw, *workers] for (name, _) in s}
+    dash = json.loads((Path(__file__).parent.parent / "deploy/grafana/dashboards/moe-experts.json").read_text())
+    queried = {m for p in dash["panels"] for t in p["targets"]
+               for m in re.findall(r"\b(?:moe|process)_[a-z_]+\b", t["expr"])}
+    assert queried and queried <= served, f"the dashboard queries metrics nobody serves: {queried - served}"

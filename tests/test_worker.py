@@ -98,7 +98,7 @@ def test_info_names_experts_and_limits(connect):
     assert h["experts"] == sorted(EXPERTS)
     assert h["d_model"] == D and h["d_ff"] == F and h["dtype"] == "float32"
     assert h["max_tokens"] == MAX_TOKENS
-    assert [e for e, _ in h["versions"]] == sorted(EXPERTS)
+    assert h["versions"] == [[e, 0, [0]] for e in sorted(EXPERTS)]
 
 
 def test_forward_runs_each_group_on_its_expert(connect):
@@ -109,6 +109,69 @@ def test_forward_runs_each_group_on_its_expert(connect):
     np.testing.assert_allclose(y, _expected(x, groups), rtol=1e-5, atol=1e-6)
     assert h["compute_s"] >= 0
     assert sorted(e for e, _, _ in h["experts"]) == [0, 5]  # empty groups are skipped
+
+
+def _op(conn, header):
+    with _request(conn, header) as msg:
+        return msg.header
+
+
+def _load(conn, rid, expert, version, timeout=20.0, **source):
+    """Send a load; the reply comes when the loader thread is done (forwards meanwhile are
+    answered at once: the loop never waits for a load)."""
+    return _op(conn, P.request(P.LOAD, rid, expert=expert, version=version, **source))
+
+
+def test_hot_update_double_buffer_pin_and_retire(worker, tmp_path):
+    """load stages version 1 beside the active 0 (from a seed, or an .npz file); forward
+    groups pin either; without a pin the active one serves; retire makes the other active;
+    a third version is refused until one is retired; nothing of this stops serving."""
+    s = _service(worker)
+    conn = transport.connect(s.url, slot_size=1 << 16, nslots=4, timeout=10.0)
+    try:
+        x = _tokens(12, seed=4)
+        v0 = SwiGLUExpert.from_seed(5, D, F, seed=SEED)(x)
+        v1 = SwiGLUExpert.from_seed(5, D, F, seed=SEED + 100)(x)
+        h = _load(conn, 10, 5, 1, seed=SEED + 100)
+        assert h == {"op": P.LOADED, "id": 10, "expert": 5, "version": 1}
+        assert _load(conn, 11, 5, 1, seed=SEED + 100)["op"] == P.LOADED  # idempotent
+        info = _op(conn, P.request(P.INFO, 12))
+        assert [5, 0, [0, 1]] in info["versions"]
+        y, h = _forward(conn, 13, x, [[5, 0, 12, 1]])
+        np.testing.assert_allclose(y, v1, rtol=1e-5, atol=1e-6)
+        assert h["versions"] == [[5, 1]]
+        y, h = _forward(conn, 14, x, [[5, 0, 12, 0]])
+        np.testing.assert_allclose(y, v0, rtol=1e-5, atol=1e-6)
+        y, h = _forward(conn, 15, x, [[5, 0, 12]])  # unpinned: the active version (0)
+        np.testing.assert_allclose(y, v0, rtol=1e-5, atol=1e-6)
+        assert "versions" not in h
+        with pytest.raises(P.RemoteError, match="unknown_version"):
+            _forward(conn, 16, x, [[5, 0, 12, 7]])
+        bad = _load(conn, 17, 5, 2, seed=1)
+        assert bad["op"] == P.ERROR and "retire one first" in bad["message"]
+        h = _op(conn, P.request(P.RETIRE, 18, expert=5, version=0))
+        assert h == {"op": P.RETIRED, "id": 18, "expert": 5, "version": 0, "active": 1}
+        y, _ = _forward(conn, 19, x, [[5, 0, 12]])  # now the active one is 1
+        np.testing.assert_allclose(y, v1, rtol=1e-5, atol=1e-6)
+        only = _op(conn, P.request(P.RETIRE, 20, expert=5, version=1))
+        assert only["op"] == P.ERROR and "only one" in only["message"]
+        # a version from an .npz file, then back to weights equal to version 0's
+        path = tmp_path / "e5.npz"
+        SwiGLUExpert.save_many(path, [SwiGLUExpert.from_seed(5, D, F, seed=SEED, version=9)])
+        assert _load(conn, 21, 5, 2, weights=str(path))["op"] == P.LOADED
+        assert _op(conn, P.request(P.RETIRE, 22, expert=5, version=1))["active"] == 2
+        y, _ = _forward(conn, 23, x, [[5, 0, 12]])
+        np.testing.assert_allclose(y, v0, rtol=1e-5, atol=1e-6)
+        for header, code in ((P.request(P.LOAD, 24, expert=5, version=3, weights=str(tmp_path / "none.npz")), P.LOAD_FAILED),
+                             (P.request(P.LOAD, 25, expert=4, version=3, seed=1), P.UNKNOWN_EXPERT),
+                             (P.request(P.LOAD, 26, expert=5, version=3), P.BAD_REQUEST),
+                             (P.request(P.LOAD, 27, expert=5, version=-1, seed=1), P.BAD_REQUEST)):
+            h = _op(conn, header)
+            assert h["op"] == P.ERROR and h["code"] == code, h
+        y, _ = _forward(conn, 28, x, [[5, 0, 12]])  # still serving, still version 2
+        np.testing.assert_allclose(y, v0, rtol=1e-5, atol=1e-6)
+    finally:
+        conn.close()
 
 
 def test_ping_reports_counters(connect):

@@ -98,7 +98,7 @@ class TcpListener(Listener):
         except (ProtocolError, ConnectionClosed, Timeout):
             sock.close()
             raise
-        pool = BufferPool(self.slot_size, self.nslots, name=f"recv:tcp-server")
+        pool = BufferPool(self.slot_size, self.nslots, name="recv:tcp-server")
         return StreamConnection(sock, f"tcp://{addr[0]}:{addr[1]}", pool, peer, default_timeout=self.timeout)
 
     def close(self) -> None:

@@ -9,11 +9,18 @@ for ``max_tokens`` rows, so the steady state allocates nothing big.
 SIGTERM (or :meth:`WorkerDaemon.request_stop`) drains: the listener closes, every peer is
 told ``draining``, batches already sent to us are still answered, and the loop ends once
 the connections have been quiet for ``drain_idle`` seconds (at most ``drain_timeout``).
+
+Hot update (the double buffer): ``load`` reads a new version of an expert in a background
+thread while the loop keeps serving, then holds it beside the active one (at most
+``MAX_VERSIONS`` per expert); a forward group may pin either version; ``retire`` drops one.
+The loop never waits for a load: the loader wakes it through the wake pipe when done.
 """
 from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, field, fields
 from typing import Mapping, Optional
@@ -30,6 +37,7 @@ log = logging.getLogger("moe.worker")
 
 MIN_SLOT_SIZE = 64 << 10
 POLL_TICK = 0.5  # the longest the loop sleeps: bounds how late a parent's death is noticed
+MAX_VERSIONS = 2  # versions held per expert: the active one and one being rolled out
 
 
 @dataclass
@@ -118,7 +126,10 @@ class WorkerDaemon:
                                  f"expert {first.expert_id} {(first.d_model, first.d_ff, first.dtype)}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        self.experts = dict(experts)
+        self.experts = dict(experts)  # expert id -> the active version
+        self.held = {e: {ex.version: ex} for e, ex in self.experts.items()}  # id -> version -> expert
+        self._loads: queue.SimpleQueue = queue.SimpleQueue()  # finished loads, for the loop
+        self._loading: set = set()  # (expert, version) being read by a loader thread
         self.d_model, self.d_ff, self.dtype = first.d_model, first.d_ff, first.dtype
         self.max_tokens = int(max_tokens)
         self.io_timeout = io_timeout
@@ -166,6 +177,7 @@ class WorkerDaemon:
                 for obj, role in poller.poll(tick):
                     if role == "wake":
                         self._wake.drain()
+                        self._finish_loads(poller)
                     elif role == "listener":
                         self._accept(poller)
                     else:
@@ -250,6 +262,11 @@ class WorkerDaemon:
             msg.release()
             if op == P.PING:
                 conn.send(self.pong(rid), timeout=self.io_timeout)
+            elif op == P.LOAD:
+                self._start_load(conn, P.parse_load(header, list(self.experts)))
+            elif op == P.RETIRE:
+                conn.send(self._retire(rid, *P.parse_retire(header, list(self.experts))),
+                          timeout=self.io_timeout)
             else:
                 conn.send(self.info(rid), timeout=self.io_timeout)
         except P.RequestError as e:
@@ -278,15 +295,25 @@ class WorkerDaemon:
             x = msg.array(0, self.dtype, shape) if batch.rows else np.empty(shape, self.dtype)
             slot = conn.alloc(batch.nbytes, timeout=self.io_timeout)
             y = slot.array(self.dtype, shape)
+            held = self.held
+            pinned = {}
+            for e, _, count, v in batch.groups:
+                if v is not None and count:
+                    if v not in held[e]:
+                        slot.release()
+                        raise P.RequestError(P.UNKNOWN_VERSION, f"expert {e} has no version {v} here "
+                                                                f"(held: {sorted(held[e])})")
+                    pinned[e] = v
             t0 = time.perf_counter()
             per_expert = []
-            for e, start, count in batch.groups:
+            for e, start, count, v in batch.groups:
                 if count == 0:
                     continue
                 c = self.stats.experts[e]
                 t = time.perf_counter()
+                ex = self.experts[e] if v is None else held[e][v]
                 try:
-                    self.experts[e].forward(x[start:start + count], y[start:start + count])
+                    ex.forward(x[start:start + count], y[start:start + count])
                 except Exception as ex:  # a compute failure is this request's, not the worker's
                     c.errors += 1
                     slot.release()
@@ -299,7 +326,9 @@ class WorkerDaemon:
             compute_s = time.perf_counter() - t0
             msg.release()  # inputs consumed: give the sender its slot back before we reply
             reply = P.result_reply(batch.request_id, shape, self.dtype, compute_s=compute_s,
-                                   experts=per_expert)
+                                   experts=per_expert, cpu_s=time.process_time())
+            if pinned:
+                reply["versions"] = [[e, v] for e, v in sorted(pinned.items())]
             self.stats.batches += 1
             conn.send(reply, [slot], timeout=self.io_timeout)
         finally:
@@ -307,7 +336,79 @@ class WorkerDaemon:
             self.in_flight -= 1
 
     def versions(self) -> list:
-        return [[e, ex.version] for e, ex in sorted(self.experts.items())]
+        """[[expert, active version, [held versions]], ...]"""
+        return [[e, ex.version, sorted(self.held[e])] for e, ex in sorted(self.experts.items())]
+
+    # -- hot update ------------------------------------------------------------
+    def _start_load(self, conn, req: "P.LoadRequest") -> None:
+        held = self.held[req.expert]
+        if req.version in held:  # idempotent: a retried load finds it done
+            conn.send({"op": P.LOADED, "id": req.request_id, "expert": req.expert, "version": req.version},
+                      timeout=self.io_timeout)
+            return
+        if (req.expert, req.version) in self._loading:
+            raise P.RequestError(P.BAD_REQUEST, f"expert {req.expert} version {req.version} is already loading")
+        if len(held) + sum(1 for e, _ in self._loading if e == req.expert) >= MAX_VERSIONS:
+            raise P.RequestError(P.BAD_REQUEST, f"expert {req.expert} already holds versions {sorted(held)} "
+                                                f"(at most {MAX_VERSIONS}): retire one first")
+        self._loading.add((req.expert, req.version))
+        threading.Thread(target=self._load, args=(conn, req), daemon=True,
+                         name=f"load-e{req.expert}-v{req.version}").start()
+
+    def _load(self, conn, req: "P.LoadRequest") -> None:
+        """Loader thread: build the new version off the serve loop, hand it over, wake it."""
+        try:
+            ref = self.experts[req.expert]
+            if req.weights is not None:
+                ex = SwiGLUExpert.from_npz(req.weights, req.expert, max_tokens=self.max_tokens, dtype=self.dtype)
+            else:
+                ex = SwiGLUExpert.from_seed(req.expert, ref.d_model, ref.d_ff, seed=req.seed, dtype=self.dtype,
+                                            max_tokens=self.max_tokens)
+            if (ex.d_model, ex.d_ff) != (ref.d_model, ref.d_ff):
+                raise ValueError(f"weights are ({ex.d_model}, {ex.d_ff}), this worker serves "
+                                 f"({ref.d_model}, {ref.d_ff})")
+            ex.version = req.version
+            result = ex
+        except Exception as e:  # reported to the requester; the worker keeps serving
+            result = e
+        self._loads.put((conn, req, result))
+        self._wake.wake()
+
+    def _finish_loads(self, poller: Poller) -> None:
+        while True:
+            try:
+                conn, req, result = self._loads.get_nowait()
+            except queue.Empty:
+                return
+            self._loading.discard((req.expert, req.version))
+            if isinstance(result, Exception):
+                self.stats.error(P.LOAD_FAILED)
+                reply = P.error_reply(req.request_id, P.LOAD_FAILED,
+                                      f"expert {req.expert} version {req.version}: {type(result).__name__}: {result}")
+            else:
+                self.held[req.expert][req.version] = result
+                log.info("expert %d: version %d loaded (held %s)", req.expert, req.version,
+                         sorted(self.held[req.expert]))
+                reply = {"op": P.LOADED, "id": req.request_id, "expert": req.expert, "version": req.version}
+            if conn in self._conns:
+                try:
+                    conn.send(reply, timeout=self.io_timeout)
+                except TransportError as e:
+                    self._drop(conn, poller, f"reply failed: {e}")
+
+    def _retire(self, rid, expert: int, version: int) -> dict:
+        held = self.held[expert]
+        if version not in held:
+            raise P.RequestError(P.UNKNOWN_VERSION, f"expert {expert} has no version {version} "
+                                                    f"(held: {sorted(held)})")
+        if len(held) == 1:
+            raise P.RequestError(P.BAD_REQUEST, f"version {version} is expert {expert}'s only one")
+        del held[version]
+        if self.experts[expert].version == version:  # the other one becomes the active one
+            self.experts[expert] = next(iter(held.values()))
+        log.info("expert %d: version %d retired; active %d", expert, version, self.experts[expert].version)
+        return {"op": P.RETIRED, "id": rid, "expert": expert, "version": version,
+                "active": self.experts[expert].version}
 
     def info(self, rid: Optional[int]) -> dict:
         return {"op": P.INFO, "id": rid, "experts": sorted(self.experts), "versions": self.versions(),
@@ -316,4 +417,5 @@ class WorkerDaemon:
 
     def pong(self, rid: Optional[int]) -> dict:
         return {"op": P.PONG, "id": rid, "experts": sorted(self.experts), "versions": self.versions(),
-                "in_flight": self.in_flight, "draining": self._draining, "counters": self.stats.as_dict()}
+                "in_flight": self.in_flight, "draining": self._draining, "counters": self.stats.as_dict(),
+                "cpu_s": time.process_time(), "pid": os.getpid()}

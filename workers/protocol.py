@@ -14,12 +14,21 @@ Requests and their replies::
     ping     {op, id}                               -> pong  {experts, versions, in_flight,
                                                               draining, counters}
     forward  {op, id, dtype, shape, groups?}  [x]   -> result {id, dtype, shape, compute_s,
-                                                               timing?}  [y]
+                                                               timing?, versions?}  [y]
+    load     {op, id, expert, version, weights | seed}  -> loaded  {id, expert, version}
+    retire   {op, id, expert, version}              -> retired {id, expert, version, active}
+    update   {op, id, action, ...}  (gateway only)  -> update  {id, status}
     any bad request                                 -> error {id, code, message}
 
 ``groups`` ([[expert_id, start, count], ...], tiling the rows in order) is what a worker
-needs; a client sending to the gateway leaves it out (the gateway routes). A worker that
-starts draining (SIGTERM) sends an unsolicited ``{op: "draining"}`` on every connection.
+needs; a client sending to the gateway leaves it out (the gateway routes). A group may name
+the weights version as a fourth element ([expert_id, start, count, version]); without it
+the worker uses the expert's active version. ``load`` stages a version beside the active
+one (a worker keeps serving while it loads, then holds both: the double buffer); ``retire``
+drops a version, and retiring the active one makes the other the active one. ``versions``
+in a result ([[expert, version], ...]) says which version served a pinned expert. A worker
+that starts draining (SIGTERM) sends an unsolicited ``{op: "draining"}`` on every
+connection. ``versions`` in info and pong is [[expert, active, [held, ...]], ...].
 Header values are plain ints, floats, strings and lists (no int-keyed maps), so any
 msgpack implementation on any backend decodes them alike.
 """
@@ -38,7 +47,12 @@ FORWARD = "forward"
 RESULT = "result"
 ERROR = "error"
 DRAINING = "draining"
-REQUEST_OPS = (INFO, PING, FORWARD)
+LOAD = "load"
+LOADED = "loaded"
+RETIRE = "retire"
+RETIRED = "retired"
+UPDATE = "update"
+REQUEST_OPS = (INFO, PING, FORWARD, LOAD, RETIRE)
 
 # error codes (the ``code`` field of an error reply)
 BAD_REQUEST = "bad_request"  # not a map, no op, bad id, unknown op
@@ -46,6 +60,8 @@ BAD_DTYPE = "bad_dtype"
 BAD_SHAPE = "bad_shape"  # shape malformed, wrong d_model, or payload size mismatch
 BAD_GROUPS = "bad_groups"  # groups do not tile the rows
 UNKNOWN_EXPERT = "unknown_expert"
+UNKNOWN_VERSION = "unknown_version"  # a forward or retire names a version not held here
+LOAD_FAILED = "load_failed"  # the weights of a load could not be read or do not fit
 OVERSIZED = "oversized"  # more rows than the peer accepts in one batch
 WORKER_FAILED = "worker_failed"  # gateway: a worker died, timed out or replied an error
 UNAVAILABLE = "unavailable"  # gateway: no healthy worker hosts an expert the batch needs
@@ -87,7 +103,7 @@ def forward_request(request_id: int, array_shape: Sequence[int], dtype: Any,
                     groups: Optional[Sequence[Sequence[int]]] = None) -> dict:
     h = request(FORWARD, request_id, dtype=np.dtype(dtype).name, shape=[int(n) for n in array_shape])
     if groups is not None:
-        h["groups"] = [[int(e), int(s), int(c)] for e, s, c in groups]
+        h["groups"] = [[int(v) for v in g] for g in groups]  # [expert, start, count(, version)]
     return h
 
 
@@ -175,21 +191,62 @@ def parse_forward(header: dict, buffer_sizes: Sequence[int], *, dtype: np.dtype,
 
 
 def _parse_groups(groups: Any, rows: int, experts: Optional[Sequence[int]]) -> list:
+    """[(expert, start, count, version or None)], or RequestError."""
     if not isinstance(groups, list) or len(groups) > MAX_GROUPS:
         raise RequestError(BAD_GROUPS, f"groups must be a list of at most {MAX_GROUPS} [expert, start, count]")
     hosted = None if experts is None else set(experts)
     out, at = [], 0
     for g in groups:
-        if not (isinstance(g, list) and len(g) == 3
+        if not (isinstance(g, list) and len(g) in (3, 4)
                 and all(isinstance(v, int) and not isinstance(v, bool) for v in g)):
-            raise RequestError(BAD_GROUPS, f"group {g!r} is not [expert, start, count]")
-        e, start, count = g
+            raise RequestError(BAD_GROUPS, f"group {g!r} is not [expert, start, count] or [expert, start, count, version]")
+        e, start, count = g[:3]
         if start != at or count < 0:
             raise RequestError(BAD_GROUPS, f"group {g} does not continue at row {at}")
         if hosted is not None and e not in hosted:
             raise RequestError(UNKNOWN_EXPERT, f"expert {e} is not hosted here (hosted: {sorted(hosted)})")
-        out.append((e, start, count))
+        out.append((e, start, count, g[3] if len(g) == 4 else None))
         at += count
     if at != rows:
         raise RequestError(BAD_GROUPS, f"groups cover {at} rows of {rows}")
     return out
+
+
+def _int_field(header: dict, key: str, minimum: int = 0) -> int:
+    v = header.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise RequestError(BAD_REQUEST, f"{header.get('op')} needs an integer {key} >= {minimum}, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """Stage ``version`` of ``expert`` from an .npz file (``weights``) or a seed."""
+
+    request_id: int
+    expert: int
+    version: int
+    weights: Optional[str]
+    seed: Optional[int]
+
+
+def parse_load(header: dict, experts: Sequence[int]) -> LoadRequest:
+    e = _int_field(header, "expert")
+    if e not in experts:
+        raise RequestError(UNKNOWN_EXPERT, f"expert {e} is not hosted here (hosted: {sorted(experts)})")
+    version = _int_field(header, "version")
+    weights, seed = header.get("weights"), header.get("seed")
+    if (weights is None) == (seed is None):
+        raise RequestError(BAD_REQUEST, "load needs exactly one of weights (an .npz path) or seed")
+    if weights is not None and not (isinstance(weights, str) and weights):
+        raise RequestError(BAD_REQUEST, f"weights must be a file path, got {weights!r}")
+    if seed is not None:
+        seed = _int_field(header, "seed")
+    return LoadRequest(request_id_of(header), e, version, weights, seed)
+
+
+def parse_retire(header: dict, experts: Sequence[int]) -> tuple[int, int]:
+    e = _int_field(header, "expert")
+    if e not in experts:
+        raise RequestError(UNKNOWN_EXPERT, f"expert {e} is not hosted here (hosted: {sorted(experts)})")
+    return e, _int_field(header, "version")

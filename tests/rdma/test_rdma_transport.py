@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 
 import transport

@@ -59,8 +59,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
-import uuid
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -735,7 +733,7 @@ def _close_cases(env: PairEnv, closer_is_client: bool) -> None:
     closer.close()
     assert closer.closed
     closer.close()  # idempotent
-    dt = expect_closed(survivor, 5 + env.slack, "the peer closed")
+    expect_closed(survivor, 5 + env.slack, "the peer closed")
     raises(ConnectionClosed, lambda: survivor.recv(timeout=1), "recv again after ConnectionClosed")
     raises(ConnectionClosed, lambda: send_seq(survivor, 0, 10, timeout=1), "send to a closed peer")
     survivor.close()

@@ -1,0 +1,136 @@
+"""Prometheus metrics of the gateway: a scrape-time collector over its counters (requests,
+rounds, workers, hot update, transport connections) plus per-round stage histograms.
+
+The serve loop pays one ``observe`` per stage per round; everything else is read when
+``/metrics`` is scraped, through public attributes, without a lock.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from gateway.update import State
+from workers.metrics import FnCollector, transport_families
+
+STAGES = ("queue", "route", "dispatch", "compute", "wait", "combine", "total")
+STAGE_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
+                 2.5, 5.0, 10.0)
+
+
+class GatewayMetrics:
+    """The gateway's registry: a scrape-time collector plus per-round histograms fed by
+    ``server.on_round`` (set by :meth:`attach`)."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(FnCollector(self._collect))
+        ProcessCollector(registry=self.registry)
+        self.stage = Histogram("moe_gateway_stage_seconds", "Per-round time per stage", ["stage"],
+                               registry=self.registry, buckets=STAGE_BUCKETS)
+        self._stage = {s: self.stage.labels(stage=s) for s in STAGES}
+        self.round_requests = Histogram("moe_gateway_round_requests", "Requests batched per round",
+                                        registry=self.registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.dropped = Counter("moe_gateway_dropped_tokens", "Token-expert assignments dropped by capacity",
+                               registry=self.registry)
+        self.overflow = Counter("moe_gateway_overflow_tokens", "Token-expert assignments over capacity",
+                                registry=self.registry)
+        self.rows = Counter("moe_gateway_rows", "Rows (token-expert assignments) sent to workers",
+                            registry=self.registry)
+
+    def attach(self) -> "GatewayMetrics":
+        self.server.on_round = self.on_round
+        return self
+
+    def on_round(self, st, queue_s: float) -> None:
+        s = self._stage
+        s["queue"].observe(queue_s)
+        s["route"].observe(st.route_s)
+        s["dispatch"].observe(st.dispatch_s)
+        s["compute"].observe(st.compute_s)
+        s["wait"].observe(st.wait_s)
+        s["combine"].observe(st.combine_s)
+        s["total"].observe(st.total_s)
+        self.round_requests.observe(st.requests)
+        if st.dropped:
+            self.dropped.inc(st.dropped)
+        if st.overflow:
+            self.overflow.inc(st.overflow)
+        if st.rows:
+            self.rows.inc(st.rows)
+
+    def _collect(self) -> list:
+        srv = self.server
+        st = srv.stats
+        pool = srv.pool
+        fams = [
+            CounterMetricFamily("moe_gateway_requests", "Forward requests received", value=st.requests),
+            CounterMetricFamily("moe_gateway_replies", "Results sent", value=st.replies),
+            CounterMetricFamily("moe_gateway_tokens", "Tokens received in forward requests", value=st.tokens),
+            CounterMetricFamily("moe_gateway_rounds", "Dispatch rounds finished", value=st.rounds),
+            CounterMetricFamily("moe_gateway_failed_rounds", "Dispatch rounds that failed", value=st.failed_rounds),
+            CounterMetricFamily("moe_gateway_clients_accepted", "Client connections accepted",
+                                value=st.clients_accepted),
+            GaugeMetricFamily("moe_gateway_clients_open", "Client connections open", value=st.clients_open),
+            GaugeMetricFamily("moe_gateway_queued_requests", "Requests waiting for a round", value=len(srv._queue)),
+            GaugeMetricFamily("moe_gateway_queued_tokens", "Tokens waiting for a round", value=srv._queued_tokens),
+            GaugeMetricFamily("moe_gateway_rounds_in_flight", "Rounds out at the workers", value=len(srv._rounds)),
+        ]
+        ec = CounterMetricFamily("moe_gateway_errors", "Error replies by code", labels=["code"])
+        for code, n in sorted(list(st.errors.items())):
+            ec.add_metric([str(code)], n)
+        fams.append(ec)
+        wl = ["worker", "url"]
+        healthy = GaugeMetricFamily("moe_gateway_worker_healthy", "1 if the worker is usable", labels=wl)
+        state = GaugeMetricFamily("moe_gateway_worker_state", "Worker state (1 on the current one)",
+                                  labels=wl + ["state"])
+        out = GaugeMetricFamily("moe_gateway_worker_outstanding_tokens", "Rows sent and not yet answered",
+                                labels=wl)
+        sent = CounterMetricFamily("moe_gateway_worker_rows_sent", "Rows sent to the worker", labels=wl)
+        bsent = CounterMetricFamily("moe_gateway_worker_batches_sent", "Batches sent to the worker", labels=wl)
+        fail = CounterMetricFamily("moe_gateway_worker_failures", "Failures seen on the worker", labels=wl)
+        comp = CounterMetricFamily("moe_gateway_worker_compute_seconds", "Compute time the worker reported",
+                                   labels=wl)
+        erows = CounterMetricFamily("moe_gateway_worker_expert_rows", "Rows sent per worker and expert",
+                                    labels=wl + ["expert"])
+        conns = []
+        for w in list(pool.workers):
+            lv = [str(w.index), w.url]
+            cur = "closed" if w.closed else "draining" if w.draining else "healthy" if w.healthy else "unhealthy"
+            healthy.add_metric(lv, int(w.usable))
+            for s in ("healthy", "unhealthy", "draining", "closed"):
+                state.add_metric(lv + [s], int(s == cur))
+            out.add_metric(lv, w.outstanding_rows)
+            sent.add_metric(lv, w.rows_sent)
+            bsent.add_metric(lv, w.batches_sent)
+            fail.add_metric(lv, w.failures)
+            comp.add_metric(lv, w.compute_seconds)
+            for e, n in sorted(list(w.expert_rows.items())):
+                erows.add_metric(lv + [str(e)], n)
+            if not w.closed:
+                conns.append(("worker", w.conn))
+        wver = GaugeMetricFamily("moe_gateway_worker_expert_version", "Active weights version per worker and "
+                                 "expert, as the worker last said", labels=wl + ["expert"])
+        for w in list(pool.workers):
+            for e, v in sorted(list(w.versions.items())):
+                wver.add_metric([str(w.index), w.url, str(e)], v)
+        fams += [healthy, state, out, sent, bsent, fail, comp, erows, wver]
+        up = pool.update
+        if up is not None:
+            ul = ["experts", "old", "new"]
+            lv = [",".join(map(str, up.experts)), ",".join(str(up.old[e]) for e in up.experts), str(up.new)]
+            frac = GaugeMetricFamily("moe_gateway_update_fraction", "Share of requests decided for the new "
+                                     "version by the current hot update", labels=ul)
+            frac.add_metric(lv, up.fraction)
+            ust = GaugeMetricFamily("moe_gateway_update_state", "Hot update state (1 on the current one)",
+                                    labels=ul + ["state"])
+            for s_ in State:
+                ust.add_metric(lv + [s_.value], int(up.state == s_))
+            served = CounterMetricFamily("moe_gateway_update_requests", "Requests decided by the current hot "
+                                         "update, by side", labels=ul + ["side"])
+            for side in ("old", "new"):
+                served.add_metric(lv + [side], up.served[side])
+            fams += [frac, ust, served]
+        conns += [("client", c) for c in list(srv._clients)]
+        fams.extend(transport_families(conns))
+        return fams
