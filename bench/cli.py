@@ -12,6 +12,7 @@ import sys
 SUBCOMMANDS = {
     "transport": ("bench.transport_bench", "transport microbenchmarks vs raw mechanisms"),
     "moe": ("bench.moe_bench", "the distributed MoE layer vs the in-process reference and a multiprocessing peer"),
+    "load": ("bench.load", "open-loop load generator (fixed-rate, ramp, mixed) against a moe-gateway"),
 }
 
 
