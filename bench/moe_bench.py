@@ -2,7 +2,9 @@
 
 Systems, same weights and router, same batches, interleaved round by round:
 - reference-1t / reference-2t: the in-process ReferenceMoE with one and two BLAS threads
-  (the compute floor; the 2-core ceiling is twice the one-thread rate);
+  (the compute floor; the 2-core ceiling is twice the one-thread rate), each in a forked
+  child: two OpenBLAS threads in the measuring process keep spinning after their work and
+  would slow every system measured after them on 2 cores;
 - multiprocessing: two worker processes fed through multiprocessing pipes (the peer a
   user would write first);
 - moe-transport: real `moe-worker` processes driven by the gateway's WorkerPool, per backend.
@@ -11,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import time
 import uuid
 from typing import Any
 
 import numpy as np
+
+from bench.systems import Multiprocessing
 
 FULL = dict(d_model=1024, d_ff=2048, batch=256)
 QUICK = dict(d_model=256, d_ff=512, batch=128)
@@ -38,65 +41,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH")
 
 
-# -- the multiprocessing-pipe peer ---------------------------------------------------
-def _mp_worker(conn, experts: list[int], d_model: int, d_ff: int, seed: int, max_rows: int) -> None:
+# -- the reference, in a child of its own ------------------------------------------------
+def _reference_child(conn, threads: int, d: int, dff: int, n_experts: int, top_k: int, seed: int) -> None:
     from threadpoolctl import threadpool_limits
-    from workers.expert import SwiGLUExpert
-    threadpool_limits(1)
-    ex = {e: SwiGLUExpert.from_seed(e, d_model, d_ff, seed=seed, max_tokens=max_rows) for e in experts}
-    buf = bytearray(max_rows * d_model * 4)
-    out = np.empty((max_rows, d_model), np.float32)
+
+    from gateway.reference import ReferenceMoE
+    threadpool_limits(threads)
+    ref = ReferenceMoE.from_seed(d, dff, n_experts, top_k, seed=seed)
     while True:
-        groups = conn.recv()
-        if groups is None:
+        xs = conn.recv()
+        if xs is None:
             return
-        n = conn.recv_bytes_into(buf) // (4 * d_model)
-        x = np.frombuffer(buf, np.float32, n * d_model).reshape(n, d_model)
-        for e, start, count in groups:
-            ex[e].forward(x[start:start + count], out[start:start + count])
-        conn.send_bytes(out[:n])
+        times = []
+        for x in xs:
+            t0 = time.perf_counter()
+            ref.forward(x)
+            times.append(time.perf_counter() - t0)
+        conn.send(times)
 
 
-class MultiprocessingPeer:
-    def __init__(self, router, n_workers: int, d_model: int, d_ff: int, seed: int, max_rows: int):
-        from gateway.dispatch import DispatchPlan
-        self.router, self.plan_cls = router, DispatchPlan
-        n_exp = router.n_experts
-        self.owner = [e * n_workers // n_exp for e in range(n_exp)]
-        ctx = mp.get_context("fork")
-        self.conns, self.procs = [], []
-        for w in range(n_workers):
-            a, b = ctx.Pipe()
-            p = ctx.Process(target=_mp_worker, args=(b, [e for e in range(n_exp) if self.owner[e] == w],
-                                                     d_model, d_ff, seed, max_rows), daemon=True)
-            p.start()
-            self.conns.append(a)
-            self.procs.append(p)
-        self.n_workers = n_workers
+class ReferenceChild:
+    def __init__(self, threads: int, d: int, dff: int, n_experts: int, top_k: int, seed: int):
+        import multiprocessing as mp
+        self.conn, child = mp.get_context("fork").Pipe()
+        self.proc = mp.get_context("fork").Process(target=_reference_child, daemon=True,
+                                                   args=(child, threads, d, dff, n_experts, top_k, seed))
+        self.proc.start()
+        child.close()
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        r = self.router.route(x)
-        plan = self.plan_cls.build(r.topk_idx, r.topk_weights, self.owner, self.n_workers)
-        for w, c in enumerate(self.conns):  # send to all before waiting
-            c.send(plan.groups(w))
-            c.send_bytes(plan.gather(x, w))
-        outs = []
-        for w, c in enumerate(self.conns):
-            if not c.poll(60):
-                raise TimeoutError("multiprocessing worker did not answer")
-            outs.append(np.frombuffer(c.recv_bytes(), np.float32).reshape(-1, x.shape[1]))
-        return plan.combine(outs, np.empty_like(x))
+    def run(self, xs: list) -> list:
+        self.conn.send(xs)
+        if not self.conn.poll(600):
+            raise TimeoutError("reference child did not answer")
+        return self.conn.recv()
 
     def close(self) -> None:
-        for c in self.conns:
-            try:
-                c.send(None)
-            except OSError:
-                pass
-        for p in self.procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
+        self.conn.send(None)
+        self.proc.join(10)
 
 
 # -- moe-transport: real worker processes ---------------------------------------------
@@ -150,39 +131,43 @@ def run(args: argparse.Namespace) -> int:
     print(f"config: {args.n_experts} experts, top-{args.top_k}, d_model {d}, d_ff {dff}, "
           f"{batch}-token batches, {args.workers} workers; {args.rounds} rounds x {args.batches} batches")
 
+    # forked first, so they inherit none of the systems' connections
+    refs = {f"reference-{t}t": ReferenceChild(t, d, dff, args.n_experts, args.top_k, args.seed) for t in (1, 2)}
     systems: dict[str, Any] = {}
     with threadpool_limits(1):  # the gateway side stays on one BLAS thread
-        systems["multiprocessing"] = MultiprocessingPeer(ref.router, args.workers, d, dff, args.seed, batch * args.top_k)
+        systems["multiprocessing"] = Multiprocessing(ref.router, args.workers, dff, args.seed, batch * args.top_k)
     for b in backends:
         systems[f"moe-transport/{b}"] = TransportSystem(b, ref.router, args.workers, d, dff, args.seed, batch)
     lat: dict[str, list[float]] = {"reference-1t": [], "reference-2t": [], **{k: [] for k in systems}}
     try:
-        expect = ref.forward(xs[0])[0]
+        with threadpool_limits(1):
+            expect = ref.forward(xs[0])[0]
         for name, sys_ in systems.items():  # every system computes the same layer
             got = sys_.forward(xs[0])
             err = float(np.max(np.abs(got - expect)))
             if err > 1e-3 * max(1.0, float(np.max(np.abs(expect)))):
                 raise AssertionError(f"{name} disagrees with the reference (max abs err {err})")
         for r in range(args.rounds):
-            for name in lat:
+            for name in list(systems) + list(refs):  # the references last, then a pause:
+                if name in refs:  # OpenBLAS threads spin ~0.1 s after their work and would
+                    lat[name].extend(refs[name].run(xs))  # steal a core from the next system
+                    if name.endswith("2t"):
+                        time.sleep(0.5)
+                    continue
                 for x in xs:
                     t0 = time.perf_counter()
-                    if name.startswith("reference"):
-                        with threadpool_limits(1 if name.endswith("1t") else 2):
-                            ref.forward(x)
-                    else:
-                        with threadpool_limits(1):
-                            systems[name].forward(x)
+                    with threadpool_limits(1):
+                        systems[name].forward(x)
                     lat[name].append(time.perf_counter() - t0)
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{n} {batch * args.batches / sum(v[-args.batches:]):.0f} tok/s" for n, v in lat.items()), flush=True)
         stage_ms = {}
         for name, s in systems.items():
             if isinstance(s, TransportSystem) and s.stages:
-                keys = ("route_s", "dispatch_s", "compute_s", "wait_s", "combine_s", "total_s")
+                keys = ("route_s", "dispatch_s", "gather_s", "compute_s", "wait_s", "combine_s", "total_s")
                 stage_ms[name] = {k[:-2]: float(np.median([st[k] for st in s.stages[1:]])) * 1e3 for k in keys}
     finally:
-        for s in systems.values():
+        for s in list(systems.values()) + list(refs.values()):
             s.close()
 
     results = []
@@ -203,7 +188,10 @@ def run(args: argparse.Namespace) -> int:
     for b in backends:
         r = by[("moe-transport", b)]
         st = r["stage_ms"]
-        share = max(0.0, st["wait"] - st["compute"]) / st["total"] if st.get("total") else None
+        # the transport's share: sending (dispatch without the MoE gather) and the wait
+        # beyond the slowest worker's compute; the gather and combine are MoE's own copies
+        share = ((st["dispatch"] - st["gather"]) + max(0.0, st["wait"] - st["compute"])) / st["total"] \
+            if st.get("total") else None
         ratios[b] = {"vs_ceiling": r["tokens_per_s"] / ceiling, "vs_multiprocessing": r["tokens_per_s"] / mpr,
                      "transport_share_of_p50": share}
         print(f"{b}: {ratios[b]['vs_ceiling']:.2f}x the ceiling, {ratios[b]['vs_multiprocessing']:.2f}x multiprocessing; "

@@ -85,7 +85,8 @@ class WorkerState:
                 "batches_sent": self.batches_sent, "failures": self.failures,
                 "compute_seconds": self.compute_seconds, "cpu_s": self.cpu_s,
                 "versions": [[e, v, sorted(self.held.get(e, {v}))] for e, v in sorted(self.versions.items())],
-                "expert_rows": [[e, n] for e, n in sorted(self.expert_rows.items())]}
+                "expert_rows": [[e, n] for e, n in sorted(self.expert_rows.items())],
+                "transport": self.conn.stats.as_dict() if not self.closed else {}}
 
 
 @dataclass
@@ -102,6 +103,7 @@ class BatchStats:
     overflow: int = 0
     route_s: float = 0.0
     dispatch_s: float = 0.0
+    gather_s: float = 0.0  # the part of dispatch_s that copies tokens into the send slots
     compute_s: float = 0.0
     compute_total_s: float = 0.0
     wait_s: float = 0.0
@@ -441,6 +443,7 @@ class WorkerPool:
                 rnd._fail(WorkerError(f"worker {ws.url} failed round {rnd.id}: {ws.why}"))
                 break
             block = slot.array(self.dtype, (rows, self.d_model))
+            t = time.perf_counter()
             groups = []
             for r in reqs:
                 base = r.bases[w]
@@ -450,6 +453,7 @@ class WorkerPool:
                     pins = r.pins
                     groups.extend((e, base + s, c, pins[e]) if e in pins else (e, base + s, c)
                                   for e, s, c in r.plan.groups(w))
+            rnd.stats.gather_s += time.perf_counter() - t
             try:
                 ws.conn.send(P.forward_request(rnd.id, (rows, self.d_model), self.dtype, groups), [slot],
                              timeout=self.timeout)

@@ -2,11 +2,12 @@
 client connection and every worker connection.
 
 Dynamic batching: forward requests queue up as they land (their message kept, so the
-tokens stay where the transport put them); a round goes out when the queue holds
-``max_batch_tokens``, when its oldest request has waited ``max_wait_ms`` (0: at once,
-taking whatever arrived in the same wake-up), or when ``max_batch_requests`` are queued,
-and at most ``max_inflight_rounds`` rounds are out at a time (the next one fills while
-workers compute). The pool gathers each request's rows straight from the client's landed
+tokens stay where the transport put them). It is work-conserving: when no round is out,
+whatever arrived in the same wake-up goes at once (idle workers gain nothing from a wait);
+while rounds are out, a round goes when the queue holds ``max_batch_tokens``, when its
+oldest request has waited ``max_wait_ms`` (0: at once), or when ``max_batch_requests``
+are queued, and at most ``max_inflight_rounds`` rounds are out at a time (the next one
+fills while workers compute). The pool gathers each request's rows straight from the client's landed
 buffer into the worker send slots, so there is no batching copy; each request's output is
 combined straight into a slot of that client's connection, which becomes the reply.
 """
@@ -58,6 +59,8 @@ class GatewayStats:
     rounds: int = 0
     failed_rounds: int = 0
     max_round_requests: int = 0
+    dropped: int = 0  # token-expert assignments dropped by the capacity factor
+    overflow: int = 0  # assignments over capacity (dropped or spilled)
     clients_accepted: int = 0
     clients_open: int = 0
     errors: dict = field(default_factory=dict)
@@ -70,6 +73,8 @@ class GatewayStats:
     def add_round(self, st: BatchStats, queue_s: float) -> None:
         self.rounds += 1
         self.max_round_requests = max(self.max_round_requests, st.requests)
+        self.dropped += st.dropped
+        self.overflow += st.overflow
         s = self.stage_seconds
         s["queue"] += queue_s
         s["route"] += st.route_s
@@ -82,7 +87,8 @@ class GatewayStats:
     def as_dict(self) -> dict:
         return {"requests": self.requests, "replies": self.replies, "tokens": self.tokens,
                 "rounds": self.rounds, "failed_rounds": self.failed_rounds,
-                "max_round_requests": self.max_round_requests,
+                "max_round_requests": self.max_round_requests, "dropped": self.dropped,
+                "overflow": self.overflow,
                 "clients_accepted": self.clients_accepted, "clients_open": self.clients_open,
                 "errors": dict(self.errors), "stage_seconds": dict(self.stage_seconds)}
 
@@ -294,7 +300,9 @@ class GatewayServer:
     # -- rounds ----------------------------------------------------------------
     def _dispatch_ready(self, now: float, flush: bool = False) -> None:
         while self._queue and len(self._rounds) < self.max_inflight_rounds:
-            due = (flush or self.max_wait == 0 or self._queued_tokens >= self.max_batch_tokens
+            # work-conserving: with no round out the workers are idle, and waiting for company
+            # would only add latency; while rounds are out, requests gather for the next one
+            due = (flush or self.max_wait == 0 or not self._rounds or self._queued_tokens >= self.max_batch_tokens
                    or len(self._queue) >= self.max_batch_requests
                    or now >= self._queue[0].arrived + self.max_wait)
             if not due:

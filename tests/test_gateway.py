@@ -42,7 +42,8 @@ def _require(backend):
 
 class Cluster:
     """Workers w0 (experts 0-3), w1 (4-7), w2 (0-3: replicas of w0's) and two gateways:
-    ``batching`` waits up to 150 ms to fill a round, ``whole`` never splits an expert."""
+    ``batching`` waits up to 150 ms to fill a round while another is out, ``whole`` never
+    splits an expert."""
 
     def __init__(self, services: Services, backend: str):
         self.backend = backend
@@ -119,13 +120,28 @@ def test_max_wait_zero_dispatches_each_request_at_once(cluster, reference):
     assert after["rounds"] - before["rounds"] == 3
 
 
+def test_a_lone_request_is_not_held_for_company(cluster, reference):
+    """Batching is work-conserving: with no round out, a request goes at once instead of
+    waiting max_wait (150 ms here) for others to share its round."""
+    c = _cluster(cluster)
+    with GatewayClient(c.batching.url) as cl:
+        before = cl.ping()["gateway"]
+        for i in range(3):
+            x = tokens(6, seed=40 + i)
+            np.testing.assert_allclose(cl.forward(x), reference.forward(x)[0], **TOL)
+        after = cl.ping()["gateway"]
+    assert after["rounds"] - before["rounds"] == 3
+    queued = after["stage_seconds"]["queue"] - before["stage_seconds"]["queue"]
+    assert queued < 3 * 0.05, f"lone requests waited {queued:.3f} s in the queue"
+
+
 def test_client_timeout_then_the_late_reply_is_not_mistaken_for_the_next(cluster, reference):
     c = _cluster(cluster)
     with GatewayClient(c.batching.url) as cl:
         x1, x2 = tokens(5, seed=31), tokens(5, seed=32)
         t = time.monotonic()
         with pytest.raises(transport.Timeout):
-            cl.forward(x1, timeout=0.03)  # the gateway holds a lone request up to 150 ms
+            cl.forward(x1, timeout=0.0)  # sent, then abandoned before any reply can land
         assert time.monotonic() - t < 1.0
         y2 = cl.forward(x2, timeout=10.0)
         np.testing.assert_allclose(y2, reference.forward(x2)[0], **TOL)

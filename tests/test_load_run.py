@@ -1,0 +1,93 @@
+"""`moe-bench load` for real: it starts a gateway (and the peers), drives the three modes,
+and writes the JSON, markdown and plot; one run measures every system side by side."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PCT = ("p50", "p95", "p99", "p999")
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def load(tmp_path, *args, timeout=200):
+    out, png, md = tmp_path / "load.json", tmp_path / "load.png", tmp_path / "load.md"
+    cmd = [sys.executable, "-m", "bench.cli", "load", *args, "--json", str(out), "--plot", str(png),
+           "--markdown", str(md), "--progress", "plain"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "/dev/shm left behind: nothing" in p.stdout
+    assert png.stat().st_size > 10_000 and md.read_text().startswith("### moe-bench load")
+    return json.loads(out.read_text()), p.stdout
+
+
+def test_fixed_rate_on_our_gateway(tmp_path):
+    doc, stdout = load(tmp_path, "--mode", "fixed-rate", "--rate", "5", "--duration", "3", "--backend", "shm",
+                       "--prefill", "16", "--decode", "2", "--warmup", "0.5")
+    (r,) = doc["results"]
+    assert r["system"] == "moe-transport" and r["backend"] == "shm" and r["mode"] == "fixed-rate"
+    assert r["target_rate"] == 5.0
+    assert r["errors"] == 0 and r["completed"] == r["requests"] == 15
+    assert abs(r["achieved_rate"] / 5.0 - 1) < 0.1
+    assert r["tokens_per_s"] > 0 and r["tokens"] == 15 * 18
+    for k in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        q = r[k]
+        assert 0 < q["p50"] <= q["p95"] <= q["p99"] <= q["p999"], (k, q)
+    assert r["ttft_ms"]["p50"] < r["e2e_ms"]["p50"]
+    assert 0 < r["goodput_rps"] and r["goodput_share"] == 1.0  # nothing near the default SLOs
+    assert set(r["cpu_cores"]) == {"gateway", "worker0", "worker1"} and r["cpu_cores"]["gateway"] > 0
+    assert r["stage_ms"]["compute"] > 0 and r["failed_rounds"] == 0
+    # the model of the all-to-all volume is what the transport counted (payload bytes)
+    cv = doc["models"]["comm_volume"]
+    assert cv["total_bytes"] == 2 * cv["assignments"] * 256 * 4
+    assert cv["measured_over_model"] == pytest.approx(1.0, abs=1e-9)
+    assert sum(r["gateway_expert_rows"]) == cv["assignments"]
+    lru = doc["models"]["lru_hit_rate"]
+    assert len(lru) == 8 and lru == sorted(lru) and lru[-1] > 0.9
+
+
+def test_all_systems_side_by_side_with_a_hot_expert(tmp_path):
+    doc, stdout = load(tmp_path, "--mode", "mixed", "--rate", "6", "--duration", "3", "--warmup", "0.3",
+                       "--systems", "all", "--backend", "shm", "--backend", "tcp", "--scenario", "hot",
+                       "--hot-expert", "5", "--hot-share", "0.6", "--prefill", "16", "--decode", "3",
+                       "--burstiness", "3", "--concurrency", "3")
+    systems = [(r["system"], r["backend"]) for r in doc["results"]]
+    assert systems == [("moe-transport", "shm"), ("moe-transport", "tcp"), ("multiprocessing", "pipe"),
+                       ("ray", "ray"), ("reference", "inproc")]
+    assert not doc["failed_systems"]
+    for r in doc["results"]:
+        assert r["mode"] == "mixed" and r["errors"] == 0 and r["completed"] > 0, r
+        assert r["burstiness"] == 3
+        # every system got the same requests: same schedule, lengths and tokens
+        assert (r["requests"], r["tokens"]) == (doc["results"][0]["requests"], doc["results"][0]["tokens"])
+        assert max(range(8), key=lambda e: r["expert_load"][e]) == 5  # the scenario held
+        for k in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            assert all(r[k][p] > 0 for p in PCT)
+    ours = {(x["ours"], x["peer"]) for x in doc["ratios"]}
+    assert ours == {(f"moe-transport/{b}", p) for b in ("shm", "tcp") for p in ("multiprocessing", "ray", "reference")}
+    assert all(x["tokens_per_s"] > 0 and x["p99_tpot_lower_by"] > 0 for x in doc["ratios"])
+    share = doc["models"]["expert_load"]["share"]
+    assert share[5] > 0.3  # (top-2: the second choices spread the rest)
+    assert "| ray |" in stdout and "tokens/s ratio" in stdout
+
+
+def test_ramp_finds_the_knee(tmp_path):
+    """A ramp far past what 2 clients can carry (each request is 9 passes of ~1 ms): it stops
+    at the first saturated step (the queueing delay grows) and reports the knee below it."""
+    doc, stdout = load(tmp_path, "--mode", "ramp", "--rate", "400", "--ramp-start", "5", "--ramp-steps", "4",
+                       "--step-duration", "1.5", "--backend", "shm", "--prefill", "128", "--decode", "8",
+                       "--concurrency", "2", "--warmup", "0.3", "--scenario", "drift", "--drift-period", "0.5")
+    recs = doc["results"]
+    assert [r["step"] for r in recs] == list(range(len(recs)))
+    assert recs[-1]["saturated"] and all(not r["saturated"] for r in recs[:-1])
+    assert doc["knee_rate"] == (recs[-2]["target_rate"] if len(recs) > 1 else None)
+    assert [r["target_rate"] for r in recs] == sorted(r["target_rate"] for r in recs)
+    assert "knee" in stdout
+    bins = doc["models"]["expert_load"]["bins"]
+    hot = [max(range(8), key=lambda e: b[e]) for b in bins if sum(b) > 0]
+    assert len(set(hot)) > 1  # the drifting popularity moved the hottest expert over time
