@@ -54,6 +54,12 @@ bench-rdma: $(STAMP)
 bench-moe: $(STAMP)
 	$(VENV)/bin/moe-bench moe --json bench-results/moe.json
 
+# the issue's load: full config, a ramp to saturation, ours beside the peers in one run
+bench-load: $(STAMP)
+	$(VENV)/bin/moe-bench load --mode ramp --full --systems all --backend shm --rate 12 --ramp-start 1.5 \
+	  --ramp-steps 8 --step-duration 10 --concurrency 32 --warmup 2 --json bench-results/load-ramp.json \
+	  --plot bench-results/load-ramp.png --markdown bench-results/load-ramp.md
+
 compose-check: $(STAMP)
 	docker-compose -f docker-compose.yml config -q && echo "docker-compose.yml: valid"
 

@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     tgt.add_argument("--d-model", type=int, default=None, help=f"default {DEMO['d_model']} (--full {FULL['d_model']})")
     tgt.add_argument("--d-ff", type=int, default=None, help=f"default {DEMO['d_ff']} (--full {FULL['d_ff']})")
     tgt.add_argument("--max-wait-ms", type=float, default=1.0, help="the started gateway's batching wait")
+    tgt.add_argument("--max-inflight-rounds", type=int, default=2, help="the started gateway's rounds out at once")
+    tgt.add_argument("--max-batch-tokens", type=int, default=None,
+                     help="the started gateway's tokens per round (default: every client's prefill at once)")
     tgt.add_argument("--full", action="store_true", help="d_model 1024, d_ff 2048, prefill 256, decode 32")
     req = p.add_argument_group("requests")
     req.add_argument("--prefill", type=int, default=None, help=f"prompt tokens (default {DEMO['prefill']})")
@@ -426,8 +429,9 @@ def make_system(name: str, backend: Optional[str], args, router):
             return SY.MoeTransport(args.gateway, backend, timeout=args.timeout)
         return SY.MoeTransport.start(backend, workers=args.workers, n_experts=router.n_experts, top_k=router.top_k,
                                      d_model=router.d_model, d_ff=args.d_ff, seed=seed,
-                                     max_batch_tokens=max(256, args.concurrency * args.prefill),
-                                     max_wait_ms=args.max_wait_ms, capacity_factor=args.capacity_factor)
+                                     max_batch_tokens=args.max_batch_tokens or max(256, args.concurrency * args.prefill),
+                                     max_wait_ms=args.max_wait_ms, capacity_factor=args.capacity_factor,
+                                     max_inflight_rounds=args.max_inflight_rounds)
     if name == "reference":
         return SY.Reference(router, args.d_ff, seed)
     if name == "multiprocessing":
@@ -458,6 +462,15 @@ def run_segment(pool: ClientPool, args, clock, *, rate: float, duration: float, 
     finally:
         prog.close()
     return pool.done[first:], pacer.lateness
+
+
+def _counters(system) -> dict:
+    """The system's counters, with this process's CPU (client threads, and the peers that
+    run in-process) as "load-generator"."""
+    from bench.systems import proc_cpu_seconds
+    c = system.counters()
+    c.setdefault("cpu_s", {})["load-generator"] = proc_cpu_seconds(os.getpid())
+    return c
 
 
 def _delta(before: dict, after: dict, wall: float) -> dict:
@@ -516,7 +529,7 @@ def run_system(name: str, backend: Optional[str], args, router, bank, scenario) 
                 left = None if max_n is None else max_n - sum(r["requests"] for r in out["records"])
                 if left is not None and left <= 0:
                     break
-                before = system.counters()
+                before = _counters(system)
                 t0 = clock.now()
                 step_label = f"{label} step {j + 1}/{len(steps)} @ {st.rate:g}/s" if args.mode == "ramp" else \
                     f"{label} {args.mode}"
@@ -530,7 +543,7 @@ def run_system(name: str, backend: Optional[str], args, router, bank, scenario) 
                 rec["pacer_late_ms_p99"] = float(np.percentile(lateness, 99) * 1e3) if lateness else 0.0
                 if args.mode == "mixed":
                     rec["burstiness"] = args.burstiness
-                rec.update(_delta(before, system.counters(), wall))
+                rec.update(_delta(before, _counters(system), wall))
                 trace = M.replay(router, [(t - t_run, idx) for d in done if d.job.record and d.error is None
                                           for t, idx in d.passes], bank)
                 load = M.expert_load(trace, router.n_experts)

@@ -85,7 +85,7 @@ class MoeTransport(System):
     @classmethod
     def start(cls, backend: str, *, workers: int, n_experts: int, top_k: int, d_model: int, d_ff: int,
               seed: int, max_batch_tokens: int, max_wait_ms: float, capacity_factor: Optional[float] = None,
-              timeout: float = 60.0) -> "MoeTransport":
+              max_inflight_rounds: int = 2, timeout: float = 60.0) -> "MoeTransport":
         """A moe-gateway with ``workers`` local workers on ``backend`` (its own processes)."""
         import sys
 
@@ -95,7 +95,8 @@ class MoeTransport(System):
         argv = [sys.executable, "-m", "gateway.cli", "--listen", listen, "--local-workers", str(workers),
                 "--backend", backend, "--n-experts", str(n_experts), "--top-k", str(top_k),
                 "--d-model", str(d_model), "--d-ff", str(d_ff), "--seed", str(seed),
-                "--max-batch-tokens", str(max_batch_tokens), "--max-wait-ms", str(max_wait_ms)]
+                "--max-batch-tokens", str(max_batch_tokens), "--max-wait-ms", str(max_wait_ms),
+                "--max-inflight-rounds", str(max_inflight_rounds)]
         if capacity_factor:
             argv += ["--capacity-factor", str(capacity_factor)]
         proc, url = spawn_service(argv, timeout=timeout, env=blas_env(1))
@@ -164,9 +165,6 @@ class Reference(System):
 
     def forward(self, x):
         return self.ref.forward(x)[0]
-
-    def pids(self) -> dict:
-        return {"load-process": os.getpid()}
 
     def close(self) -> None:
         self._limits.restore_original_limits()

@@ -40,7 +40,7 @@ def test_fixed_rate_on_our_gateway(tmp_path):
         assert 0 < q["p50"] <= q["p95"] <= q["p99"] <= q["p999"], (k, q)
     assert r["ttft_ms"]["p50"] < r["e2e_ms"]["p50"]
     assert 0 < r["goodput_rps"] and r["goodput_share"] == 1.0  # nothing near the default SLOs
-    assert set(r["cpu_cores"]) == {"gateway", "worker0", "worker1"} and r["cpu_cores"]["gateway"] > 0
+    assert set(r["cpu_cores"]) == {"gateway", "worker0", "worker1", "load-generator"} and r["cpu_cores"]["gateway"] > 0
     assert r["stage_ms"]["compute"] > 0 and r["failed_rounds"] == 0
     # the model of the all-to-all volume is what the transport counted (payload bytes)
     cv = doc["models"]["comm_volume"]
