@@ -108,6 +108,7 @@ def test_update_under_load_drops_nothing_and_never_mixes_versions(gateway):
     phases = {}
     try:
         load.wait_for(20)
+        started = load.count()  # every request answered before this was decided before the update
         st = cli(gateway.url, "start", "--experts", "2,5", "--version", "1", "--seed", str(NEW_SEED), "--wait")
         assert st["state"] == "shifting" and st["fraction"] == 0.01 and st["old"] == [[2, 0], [5, 0]]
         marks = [("loaded", load.count())]
@@ -131,7 +132,7 @@ def test_update_under_load_drops_nothing_and_never_mixes_versions(gateway):
     bounds = [m[1] for m in marks] + [len(kinds)]
     for (name, lo), hi in zip(marks, bounds[1:]):
         phases[name] = [k for k in kinds[lo:hi] if k != "either"]
-    assert all(k == "old" for k in kinds[:marks[0][1]] if k != "either")  # before: old only
+    assert all(k == "old" for k in kinds[:started] if k != "either")  # before: old only
     assert all(k == "new" for k in phases["done"])  # after: the new version everywhere
     new_share = {name: ks.count("new") / max(1, len(ks)) for name, ks in phases.items()}
     assert new_share[1.0] > 0.9 and new_share[0.5] > 0.2 and new_share[0.05] < 0.5, new_share
@@ -164,7 +165,8 @@ def test_rollback_under_load_returns_to_the_old_version(gateway):
     assert not load.errors, load.errors[:3]
     kinds = [classify(x, y, v) for _, x, y, v in load.results]
     assert "new" in kinds[mark - 40:mark]  # the half that went to the new version...
-    assert all(k != "new" for k in kinds[after:])  # ...and none after the rollback
+    # ...and none after the rollback (a client may still be reading a reply decided before it)
+    assert all(k != "new" for k in kinds[after + 2:])
     for w in pong["workers"]:
         assert all((a, h) == (0, [0]) for _, a, h in w["versions"]), w["versions"]
 
