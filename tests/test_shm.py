@@ -187,6 +187,34 @@ def test_slot_descriptor_outside_the_segment_is_rejected():
             c.close(), s.close(), lst.close()
 
 
+def test_a_ring_that_beats_its_counter_does_not_leave_the_fd_readable():
+    """The peer writes our eventfd, then stores the ring counter; a scheduler may run us in
+    between (for milliseconds on 2 cores). A wake-up with nothing to read must clear the
+    eventfd, or a level-triggered poller spins on it until the counter lands."""
+    import select
+
+    from transport.shmring import ring_bell
+    lst, a, b = _pair()
+    try:
+        p = select.poll()
+        p.register(b.fileno(), select.POLLIN)
+        assert p.poll(0) == []
+        ring_bell(a._peer_bell)  # the write, without the counter store that follows it
+        assert p.poll(0) != []
+        with pytest.raises(transport.Timeout):
+            b.recv(timeout=0)
+        assert p.poll(0) == [], "the fd stayed readable with nothing to read"
+        # a record that arrives with its ring is still announced and received
+        a.send({"k": 1}, [b"xyz"])
+        assert p.poll(1.0) != [] and b.pending()
+        with b.recv(timeout=1) as m:
+            assert m.header == {"k": 1}
+    finally:
+        a.close()
+        b.close()
+        lst.close()
+
+
 def test_staged_buffers_share_one_slot():
     lst, c, s = _pair(nslots=2)
     try:

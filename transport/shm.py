@@ -342,6 +342,16 @@ class ShmConnection(Connection):
             if deadline.expired():
                 self._bell.wait(0) and self._check_socket()
                 if self._usable:
+                    # Woken with nothing to read: the peer's eventfd write can reach us before
+                    # its W_RUNG store (a 2-core scheduler may run us in between, for ms), so
+                    # _clear_bell would not clear, and a level-triggered poller would spin on
+                    # the fd. Clear it, then look once more: a record that raced in is returned
+                    # (its ring may be the one just cleared), so no wake-up is lost.
+                    self._bell.clear()
+                    self._acq()
+                    self._rel()
+                    if inr.peek() >= 0:
+                        continue
                     raise Timeout("timed out waiting for a message")
                 continue
             self._sleep(deadline)
