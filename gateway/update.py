@@ -90,7 +90,7 @@ class Update:
         """The share of requests decided for the new version now."""
         if self.state == State.SHIFTING:
             return self.steps[self.step]
-        return 1.0 if self.state == State.FINISHING else 0.0
+        return 1.0 if self.state in (State.FINISHING, State.DONE) else 0.0
 
     @property
     def pinning(self) -> bool:

@@ -70,7 +70,7 @@ def test_advance_through_the_steps_then_finish_then_done():
     for w, e in retires:
         assert up.pinning
         up.on_retired(w, e)
-    assert up.state == State.DONE and not up.pinning and up.decide() == {}
+    assert up.state == State.DONE and not up.pinning and up.decide() == {} and up.fraction == 1.0
     assert [t[1] for t in up.timeline] == ["start", "loaded"] + ["advance"] * 8 + ["finish", "done"]
     with pytest.raises(UpdateError):
         up.advance()
