@@ -22,7 +22,6 @@ Needs pyverbs (Debian's python3-pyverbs) and a device; without either, ``listen`
 """
 from __future__ import annotations
 
-import select
 import socket
 from typing import Optional
 
@@ -32,7 +31,7 @@ from . import rdma_handshake as hs
 from .rdma_conn import RdmaConnection
 from .rdma_device import DeviceChoice, pick_device
 from .rdma_verbs import live_resources, require_pyverbs
-from .stream import wait_fd
+from .stream import accept_before
 
 __all__ = ["RdmaConnection", "RdmaListener", "connect", "listen", "live_resources", "pick_device",
            "DeviceChoice", "DEFAULT_SMALL_SIZE", "DEFAULT_SPIN"]
@@ -86,14 +85,7 @@ class RdmaListener(Listener):
 
     def accept(self, timeout: Optional[float] = None) -> RdmaConnection:
         deadline = Deadline(timeout, self.timeout)
-        while True:
-            try:
-                sock, addr = self.sock.accept()
-                break
-            except (BlockingIOError, InterruptedError):
-                wait_fd(self.sock.fileno(), select.POLLIN, deadline, "waiting for a connection")
-            except OSError as exc:
-                raise ConnectionClosed(f"{self.url}: accept failed: {exc}") from None
+        sock, addr = accept_before(self.sock, deadline, self.url)
         try:
             _tune(sock)
             # the client speaks first: garbage is a ProtocolError before we create anything

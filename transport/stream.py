@@ -82,6 +82,18 @@ def wait_fd(fd: int, events: int, deadline: Deadline, what: str) -> None:
             return
 
 
+def accept_before(lsock: socket.socket, deadline: Deadline, url: str) -> tuple:
+    """(socket, address) of the next connection on a non-blocking listening socket, waiting
+    until ``deadline`` (Timeout); a failing listener is ConnectionClosed."""
+    while True:
+        try:
+            return lsock.accept()
+        except (BlockingIOError, InterruptedError):
+            wait_fd(lsock.fileno(), select.POLLIN, deadline, "waiting for a connection")
+        except OSError as exc:
+            raise ConnectionClosed(f"{url}: accept failed: {exc}") from None
+
+
 def sendmsg_all(sock: socket.socket, views: list, deadline: Deadline, on_wait=None) -> int:
     """Send a gather list completely (looping on partial sends) before the deadline.
     For the handshake, before a connection exists."""

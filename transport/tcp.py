@@ -16,7 +16,7 @@ from .base import DEFAULT_NSLOTS, DEFAULT_SLOT_SIZE, DEFAULT_TIMEOUT, Deadline, 
 from .errors import ConnectionClosed, ProtocolError, Timeout
 from .framing import Kind
 from .pool import BufferPool
-from .stream import StreamConnection, sendmsg_all, wait_fd
+from .stream import StreamConnection, accept_before, sendmsg_all, wait_fd
 
 import select
 
@@ -85,12 +85,7 @@ class TcpListener(Listener):
 
     def accept(self, timeout: Optional[float] = None) -> StreamConnection:
         deadline = Deadline(timeout, self.timeout)
-        while True:
-            try:
-                sock, addr = self.sock.accept()
-                break
-            except (BlockingIOError, InterruptedError):
-                wait_fd(self.sock.fileno(), select.POLLIN, deadline, "waiting for a connection")
+        sock, addr = accept_before(self.sock, deadline, self.url)
         try:
             _tune(sock)
             # a client that never says hello must not stall the listener for long
