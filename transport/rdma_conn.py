@@ -33,6 +33,7 @@ calls, so the fd is readable only when something new arrived.
 from __future__ import annotations
 
 import collections
+import os
 import select
 import socket
 import time
@@ -188,7 +189,7 @@ class RdmaConnection(Connection):
                       for i in range(nrecv)]
         for wr in self._rwrs:  # receives may be posted in INIT, before the peer can send
             v.qp.post_recv(wr)
-        psn = int.from_bytes(__import__("os").urandom(3), "little")
+        psn = int.from_bytes(os.urandom(3), "little")
         ours = hs.params(gid=v.gid, qpn=v.qpn, psn=psn, mtu=v.active_mtu, max_msg=v.max_msg,
                          addr=self.recv_pool.address, rkey=recv_mr.rkey, slot_size=slot_size,
                          room=ROOM, stride=self.recv_pool.stride, nslots=nslots,
