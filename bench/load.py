@@ -155,9 +155,6 @@ class Histogram:
             d.update(mean=float("nan"), max=float("nan"), n=0)
         return d
 
-    def values_ms(self) -> np.ndarray:
-        return np.asarray(self._values) * 1e3
-
 
 # -- one request -----------------------------------------------------------------------
 @dataclass
@@ -211,11 +208,6 @@ class ClientPool:
             self._jobs.append(job)
             self._pending += 1
             self._cv.notify()
-
-    @property
-    def queued(self) -> int:
-        with self._cv:
-            return len(self._jobs)
 
     def drain(self, timeout: float) -> bool:
         """Wait until every submitted job has finished."""
