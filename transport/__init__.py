@@ -6,12 +6,13 @@
     with conn.recv(timeout=1.0) as msg: use(msg.buffers)
 """
 from .base import Connection, ConnectionStats, Deadline, Listener, Message
-from .errors import ConnectionClosed, PoolExhausted, ProtocolError, Timeout, TransportError
+from .errors import (AcceptFailed, AuthenticationError, ConnectionClosed, PoolExhausted, ProtocolError, Refused, Timeout,
+                     TransportError)
 from .pool import BufferPool, Slot
 from .registry import available_backends, connect, listen, register_backend
 
 __all__ = [
-    "BufferPool", "Connection", "ConnectionClosed", "ConnectionStats", "Deadline", "Listener",
+    "AcceptFailed", "AuthenticationError", "Refused", "BufferPool", "Connection", "ConnectionClosed", "ConnectionStats", "Deadline", "Listener",
     "Message", "PoolExhausted", "ProtocolError", "Slot", "Timeout", "TransportError",
     "available_backends", "connect", "listen", "register_backend",
 ]

@@ -15,6 +15,7 @@ Every blocking call takes ``timeout`` in seconds; ``None`` means the connection'
 from __future__ import annotations
 
 import abc
+import select
 import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Sequence, Union
@@ -50,6 +51,16 @@ class Deadline:
         if left <= 0:
             raise Timeout(f"timed out {what}")
         return left
+
+
+def wait_fd(fd: int, events: int, deadline: Deadline, what: str) -> None:
+    """Block until ``fd`` polls ``events`` (select.POLLIN/POLLOUT), or Timeout at ``deadline``."""
+    p = select.poll()
+    p.register(fd, events)
+    while True:
+        left = deadline.check(what)
+        if p.poll(left * 1000.0 + 0.5):
+            return
 
 
 @dataclass
@@ -117,6 +128,10 @@ class Connection(abc.ABC):
     #: the largest payload (sum of a message's buffers) the peer accepts
     max_message: int
     stats: ConnectionStats
+    #: the peer proved the shared secret in the handshake (transport/handshake.py)
+    authenticated: bool = False
+    #: (pid, uid, gid) of the peer process where the kernel tells (shm: SO_PEERCRED)
+    peer_credentials: Optional[tuple] = None
 
     @abc.abstractmethod
     def alloc(self, nbytes: int, timeout: Optional[float] = None) -> Slot:
@@ -163,10 +178,32 @@ class Connection(abc.ABC):
 
 
 class Listener(abc.ABC):
+    """Accepts connections. A serve loop polls ``fileno()`` and calls
+    :meth:`accept_pending` to start handshakes it drives itself (transport/handshake.py's
+    ``Pending``); :meth:`accept` is the blocking form of the same."""
+
     url: str  # the bound address (a port of 0 replaced by the real one)
+    timeout: float = DEFAULT_TIMEOUT
 
     @abc.abstractmethod
-    def accept(self, timeout: Optional[float] = None) -> Connection: ...
+    def accept_pending(self):
+        """Take one waiting connection and start its handshake without blocking: a
+        ``handshake.Pending``, or None if nobody is waiting. Raises AcceptFailed when the
+        listener cannot accept now (out of file descriptors, closed)."""
+
+    def accept(self, timeout: Optional[float] = None) -> Connection:
+        """The next connection, handshake done. Timeout if none arrives in ``timeout``; a
+        client that stalls its handshake fails this accept within at most
+        ``handshake.HELLO_TIMEOUT`` (Timeout), and the listener goes on working."""
+        from .handshake import HELLO_TIMEOUT
+
+        deadline = Deadline(timeout, self.timeout)
+        while True:
+            pending = self.accept_pending()
+            if pending is not None:
+                break
+            wait_fd(self.fileno(), select.POLLIN, deadline, "waiting for a connection")
+        return pending.wait(Deadline(min(deadline.remaining() or 1.0, HELLO_TIMEOUT)))
 
     @abc.abstractmethod
     def fileno(self) -> int: ...

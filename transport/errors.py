@@ -1,4 +1,5 @@
 """The transport's exception hierarchy: every failure a caller can act on has one name."""
+from typing import Optional
 
 
 class TransportError(Exception):
@@ -22,3 +23,22 @@ class ProtocolError(TransportError):
 
 class PoolExhausted(TransportError):
     """No free slot in a buffer pool (non-blocking allocation)."""
+
+
+class Refused(ConnectionClosed):
+    """The handshake was refused (by the peer, or by this side): a limit, a version, a
+    backend mismatch. The message says why; nothing was set up."""
+
+
+class AuthenticationError(Refused):
+    """The peer could not prove the shared secret, or one side has a secret and the other
+    none (authentication is mutual: see transport/handshake.py)."""
+
+
+class AcceptFailed(ConnectionClosed):
+    """A listener could not take a connection (``errno`` says why: EMFILE when the process
+    is out of file descriptors). The listener itself may still work: back off and retry."""
+
+    def __init__(self, message: str, errno: Optional[int] = None):
+        super().__init__(message)
+        self.errno = errno

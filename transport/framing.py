@@ -27,7 +27,7 @@ import msgpack
 from .errors import ProtocolError
 
 MAGIC = b"MT"
-VERSION = 1
+VERSION = 2  # 2: the shared handshake (transport/handshake.py)
 PREFIX = struct.Struct("<2sBBIQ")
 PREFIX_SIZE = PREFIX.size  # 16
 MAX_HEADER = 64 * 1024

@@ -14,9 +14,15 @@ class Poller:
         self._sel = selectors.DefaultSelector()
         self._objs: dict[int, tuple[Any, Any]] = {}
 
-    def register(self, obj: Any, data: Any = None) -> None:
-        self._sel.register(obj.fileno(), selectors.EVENT_READ, data)
+    def register(self, obj: Any, data: Any = None, *, write: bool = False) -> None:
+        """Watch ``obj.fileno()`` for reading (or, with ``write``, for writing: a handshake
+        waiting for room in the kernel)."""
+        self._sel.register(obj.fileno(), selectors.EVENT_WRITE if write else selectors.EVENT_READ, data)
         self._objs[obj.fileno()] = (obj, data)
+
+    def modify(self, obj: Any, *, write: bool) -> None:
+        fd = obj.fileno()
+        self._sel.modify(fd, selectors.EVENT_WRITE if write else selectors.EVENT_READ, self._objs[fd][1])
 
     def unregister(self, obj: Any) -> None:
         for fd, (o, _) in list(self._objs.items()):

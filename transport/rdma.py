@@ -16,6 +16,8 @@ Options of ``listen`` and ``connect`` (same names as the other backends where th
 ``ib_port``     device port (default: the first active one)
 ``small_size``  size of each receive buffer: frames up to this go by SEND
 ``spin``        seconds a wait busy-polls the CQ before it sleeps on the completion channel
+``secret``      shared secret both ends must prove (transport/handshake.py); default none
+``max_peer_slot_size``, ``max_peer_nslots``  the most the peer may make us allocate
 
 Needs pyverbs (Debian's python3-pyverbs) and a device; without either, ``listen`` and
 ``connect`` raise TransportError saying so (importing this module needs neither).
@@ -23,22 +25,24 @@ Needs pyverbs (Debian's python3-pyverbs) and a device; without either, ``listen`
 from __future__ import annotations
 
 import socket
-from typing import Optional
+from typing import Any, Optional
 
+from . import handshake as hs
+from . import rdma_handshake as rh
 from .base import DEFAULT_NSLOTS, DEFAULT_SLOT_SIZE, DEFAULT_TIMEOUT, Deadline, Listener
-from .errors import ConnectionClosed, Timeout
-from . import rdma_handshake as hs
+from .errors import AcceptFailed, ConnectionClosed, ProtocolError, Timeout
 from .rdma_conn import RdmaConnection
 from .rdma_device import DeviceChoice, pick_device
 from .rdma_verbs import live_resources, require_pyverbs
-from .stream import accept_before
 
 __all__ = ["RdmaConnection", "RdmaListener", "connect", "listen", "live_resources", "pick_device",
            "DeviceChoice", "DEFAULT_SMALL_SIZE", "DEFAULT_SPIN"]
 
 DEFAULT_SMALL_SIZE = 8192  # a 4 KiB payload and its header still go by SEND
 DEFAULT_SPIN = 100e-6
-HELLO_WAIT = 5.0  # a client that never says hello must not stall the listener for long
+#: verbs set-up (registration is slow under emulation) gets at least this long, whatever
+#: was left of the caller's timeout: it is local work, not the peer's
+SETUP_TIMEOUT = 5.0
 
 
 def _parse(address: str) -> tuple[str, int]:
@@ -53,6 +57,44 @@ def _tune(sock: socket.socket) -> None:
     sock.setblocking(False)
 
 
+def _phase1_fields(peer: dict) -> None:
+    if not peer["nslots"] <= rh.MAX_NSLOTS:
+        raise ProtocolError(f"handshake: nslots outside 1..{rh.MAX_NSLOTS}")
+
+
+def _ready(peer: dict) -> dict:
+    if peer.get("ready") is not True:
+        raise ProtocolError("expected READY from the peer")
+    return peer
+
+
+def _handshake(sock: socket.socket, role: str, url: str, opts: dict, limits: hs.Limits,
+               secret: Optional[bytes]) -> hs.HandshakeGen:
+    """Phase 1 (identity, limits, authentication), then verbs set-up, the QP HELLO both
+    ways, RTS, and the READY barrier; everything made is torn down if any step fails."""
+    ex = hs.HelloExchange(role, "rdma", {"slot_size": opts["slot_size"], "nslots": opts["nslots"]},
+                          limits=limits, secret=secret, validate=_phase1_fields)
+    yield from hs.exchange(sock, ex)
+    yield hs.Rearm(SETUP_TIMEOUT)
+    conn = RdmaConnection(sock, url, **opts)
+    try:
+        def check(peer: dict) -> dict:
+            rh.validate(peer)
+            if (peer["slot_size"], peer["nslots"]) != (ex.peer["slot_size"], ex.peer["nslots"]):
+                raise ProtocolError("the peer's queue pair HELLO contradicts its first HELLO")
+            return peer
+
+        peer = yield from hs.frame_exchange(sock, conn.local_hello(), check)
+        conn.connect_peer(peer)
+        yield from hs.frame_exchange(sock, {"ready": True}, _ready)
+        conn.start()
+    except BaseException:  # GeneratorExit too: an abandoned handshake leaks no verbs object
+        conn.abort()
+        raise
+    conn.authenticated = ex.authenticated
+    return conn
+
+
 def _conn_options(slot_size: int, nslots: int, timeout: float, device: Optional[str],
                   gid_index: Optional[int], ib_port: Optional[int], small_size: int,
                   spin: float) -> dict:
@@ -64,9 +106,14 @@ class RdmaListener(Listener):
     def __init__(self, address: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = DEFAULT_NSLOTS,
                  timeout: float = DEFAULT_TIMEOUT, device: Optional[str] = None,
                  gid_index: Optional[int] = None, ib_port: Optional[int] = None,
-                 small_size: int = DEFAULT_SMALL_SIZE, spin: float = DEFAULT_SPIN, backlog: int = 128):
+                 small_size: int = DEFAULT_SMALL_SIZE, spin: float = DEFAULT_SPIN, backlog: int = 128,
+                 secret: Any = None, max_peer_slot_size: Optional[int] = None,
+                 max_peer_nslots: Optional[int] = None):
         require_pyverbs()
         host, port = _parse(address)
+        self.secret = hs.as_secret(secret)
+        self.limits = hs.Limits.for_endpoint(slot_size, nslots, max_slot_size=max_peer_slot_size,
+                                             max_nslots=min(max_peer_nslots or rh.MAX_NSLOTS, rh.MAX_NSLOTS))
         # fail here, not at the first accept, when there is no usable device
         self.device = pick_device(None if host == "0.0.0.0" else host, device=device,
                                   gid_index=gid_index, port=ib_port)
@@ -83,21 +130,21 @@ class RdmaListener(Listener):
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def accept(self, timeout: Optional[float] = None) -> RdmaConnection:
-        deadline = Deadline(timeout, self.timeout)
-        sock, addr = accept_before(self.sock, deadline, self.url)
+    def accept_pending(self) -> Optional[hs.Pending]:
+        try:
+            got = hs.accept_socket(self.sock)
+        except OSError as e:
+            raise AcceptFailed(f"{self.url}: accept failed: {e}", e.errno) from None
+        if got is None:
+            return None
+        sock, addr = got
+        url = f"rdma://{addr[0]}:{addr[1]}"
         try:
             _tune(sock)
-            # the client speaks first: garbage is a ProtocolError before we create anything
-            peer = hs.validate(hs.read_hello(sock, Deadline(min(deadline.remaining() or 1.0, HELLO_WAIT))))
-            # set-up is local work (registration is slow under emulation): at least a few
-            # seconds for the rest, whatever was left of the accept timeout
-            rest = Deadline(max(deadline.remaining(), HELLO_WAIT))
-            return RdmaConnection(sock, f"rdma://{addr[0]}:{addr[1]}", deadline=rest,
-                                  peer_hello=peer, **self._opts)
-        except BaseException:
+        except OSError:
             sock.close()
-            raise
+            return None
+        return hs.Pending(_handshake(sock, "server", url, self._opts, self.limits, self.secret), sock, url)
 
     def close(self) -> None:
         self.sock.close()
@@ -110,9 +157,13 @@ def listen(address: str, **options) -> RdmaListener:
 def connect(address: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = DEFAULT_NSLOTS,
             timeout: float = DEFAULT_TIMEOUT, device: Optional[str] = None,
             gid_index: Optional[int] = None, ib_port: Optional[int] = None,
-            small_size: int = DEFAULT_SMALL_SIZE, spin: float = DEFAULT_SPIN) -> RdmaConnection:
+            small_size: int = DEFAULT_SMALL_SIZE, spin: float = DEFAULT_SPIN, secret: Any = None,
+            max_peer_slot_size: Optional[int] = None, max_peer_nslots: Optional[int] = None) -> RdmaConnection:
     require_pyverbs()
     host, port = _parse(address)
+    secret = hs.as_secret(secret)
+    limits = hs.Limits.for_endpoint(slot_size, nslots, max_slot_size=max_peer_slot_size,
+                                    max_nslots=min(max_peer_nslots or rh.MAX_NSLOTS, rh.MAX_NSLOTS))
     pick_device(None, device=device, gid_index=gid_index, port=ib_port)  # a clear error first
     deadline = Deadline(timeout)
     try:
@@ -123,9 +174,9 @@ def connect(address: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = D
         raise ConnectionClosed(f"cannot connect to rdma://{address}: {exc}") from None
     try:
         _tune(sock)
-        return RdmaConnection(sock, f"rdma://{address}", deadline=deadline,
-                              **_conn_options(slot_size, nslots, timeout, device, gid_index,
-                                              ib_port, small_size, spin))
+        opts = _conn_options(slot_size, nslots, timeout, device, gid_index, ib_port, small_size, spin)
+        return hs.run(_handshake(sock, "client", f"rdma://{address}", opts, limits, secret),
+                      sock.fileno(), deadline, "in the rdma handshake")
     except BaseException:
         sock.close()
         raise

@@ -120,10 +120,12 @@ class RdmaConnection(Connection):
     """One RC queue pair and its registered pools (see the module docstring)."""
 
     def __init__(self, sock: socket.socket, url: str, *, slot_size: int, nslots: int,
-                 timeout: float, deadline: Deadline, device: Optional[str] = None,
+                 timeout: float, device: Optional[str] = None,
                  gid_index: Optional[int] = None, ib_port: Optional[int] = None,
-                 small_size: int, spin: float, peer_hello: Optional[dict] = None,
-                 choice: Optional[DeviceChoice] = None):
+                 small_size: int, spin: float, choice: Optional[DeviceChoice] = None):
+        """Local set-up only (device, verbs objects, pools, posted receives): no I/O. The
+        handshake (transport/rdma.py) then exchanges :meth:`local_hello` with the peer's,
+        calls :meth:`connect_peer` with it, and :meth:`start` after the READY barrier."""
         self.url = url
         self.sock = sock
         self.default_timeout = timeout
@@ -154,15 +156,13 @@ class RdmaConnection(Connection):
         self._owed_acks = 0
         self._unreturned = 0  # data messages received whose credit has not gone back yet
         try:
-            self._setup(slot_size, nslots, device, gid_index, ib_port, small_size, deadline, peer_hello,
-                        choice)
+            self._setup_local(slot_size, nslots, device, gid_index, ib_port, small_size, choice)
         except BaseException:
             self._teardown()
             raise
 
     # ------------------------------------------------------------------ set-up
-    def _setup(self, slot_size, nslots, device, gid_index, ib_port, small_size, deadline, peer_hello,
-               choice):
+    def _setup_local(self, slot_size, nslots, device, gid_index, ib_port, small_size, choice):
         if not 1 <= nslots <= hs.MAX_NSLOTS:
             raise ValueError(f"nslots must be in 1..{hs.MAX_NSLOTS}, got {nslots}")
         if slot_size <= 0:
@@ -189,18 +189,21 @@ class RdmaConnection(Connection):
                       for i in range(nrecv)]
         for wr in self._rwrs:  # receives may be posted in INIT, before the peer can send
             v.qp.post_recv(wr)
-        psn = int.from_bytes(os.urandom(3), "little")
-        ours = hs.params(gid=v.gid, qpn=v.qpn, psn=psn, mtu=v.active_mtu, max_msg=v.max_msg,
-                         addr=self.recv_pool.address, rkey=recv_mr.rkey, slot_size=slot_size,
-                         room=ROOM, stride=self.recv_pool.stride, nslots=nslots,
-                         small_size=small_size, nctrl=NCTRL)
-        if peer_hello is None:  # client: speak first
-            hs.send_hello(self.sock, ours, deadline)
-            peer_hello = hs.read_hello(self.sock, deadline)
-            peer = hs.validate(peer_hello)
-        else:  # server: the client's HELLO was read (and validated) by the listener
-            peer = hs.validate(peer_hello)
-            hs.send_hello(self.sock, ours, deadline)
+        self._psn = int.from_bytes(os.urandom(3), "little")
+        self._ours = hs.params(gid=v.gid, qpn=v.qpn, psn=self._psn, mtu=v.active_mtu, max_msg=v.max_msg,
+                               addr=self.recv_pool.address, rkey=recv_mr.rkey, slot_size=slot_size,
+                               room=ROOM, stride=self.recv_pool.stride, nslots=nslots,
+                               small_size=small_size, nctrl=NCTRL)
+
+    def local_hello(self) -> dict:
+        """Our queue pair and receive slots, for the peer (rdma_handshake.py's fields)."""
+        return self._ours
+
+    def connect_peer(self, peer: dict) -> None:
+        """Given the peer's validated QP HELLO: size the send side and move the QP to RTS.
+        No I/O; nobody sends on the QP before the READY barrier that follows."""
+        v = self._verbs
+        nslots = self._recv_nslots
         self.peer = peer
         if peer["small_size"] < 32 + 3 * nslots:
             raise ProtocolError(f"the peer's receive buffers ({peer['small_size']} B) cannot hold a "
@@ -229,8 +232,11 @@ class RdmaConnection(Connection):
         self._ack_at = max(1, NCTRL // 2)
         self.path_mtu = min(v.active_mtu, peer["mtu"])
         v.to_rts(dest_qpn=peer["qpn"], dest_psn=peer["psn"], dgid=peer["gid"], mtu=self.path_mtu,
-                 sq_psn=psn)
-        hs.ready(self.sock, deadline)
+                 sq_psn=self._psn)
+
+    def start(self) -> None:
+        """After the READY barrier: the reusable send WR and the waiting machinery."""
+        v = self._verbs
         self._wr, self._sge = v.send_wr()
         self._qp = v.qp
         self._recv_cq, self._send_cq = v.recv_cq, v.send_cq
@@ -841,6 +847,11 @@ class RdmaConnection(Connection):
                 except OSError:
                     pass
         finally:
+            self._teardown()
+
+    def abort(self) -> None:
+        """Tear down at once, saying nothing to the peer (a failed handshake)."""
+        if not self._closed:
             self._teardown()
 
     def _linger(self) -> None:

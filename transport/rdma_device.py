@@ -13,10 +13,16 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
 from .errors import TransportError
+
+#: held while this process opens a device context or a completion channel: rdma_verbs finds a
+#: channel's fd as the one new "[infinibandevent]" fd, which another thread's open (a
+#: context's async-event fd) must not make ambiguous
+OPEN_LOCK = threading.Lock()
 
 IB_SYSFS = "/sys/class/infiniband"
 ENV_DEVICE = "MOE_RDMA_DEVICE"
@@ -88,7 +94,7 @@ def _populated(dev: str, port: int) -> Optional[list[str]]:
     emulation. None when the device cannot be opened (then sysfs is scanned)."""
     try:
         from pyverbs.device import Context
-        with Context(name=dev) as ctx:
+        with OPEN_LOCK, Context(name=dev) as ctx:
             n = ctx.query_port(port).gid_tbl_len
             return [str(e.gid_index) for e in ctx.query_gid_table(max(n, 1)) if e.port_num == port]
     except Exception:

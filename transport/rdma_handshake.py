@@ -1,4 +1,4 @@
-"""The rdma:// TCP side channel: HELLO exchange, READY barrier, field validation.
+"""The rdma:// TCP side channel's phase-2 fields: the queue pair HELLO and its validation.
 
 Why a TCP side channel rather than rdmacm (pyverbs.cmid): the listener is an ordinary TCP
 port (port 0 works, the conformance kit's garbage-on-the-socket case is a plain read),
@@ -7,7 +7,9 @@ QP attributes (rdmacm wants to create them), and the socket stays open after set
 liveness signal: a dead peer process is an EOF within milliseconds, where RC retries take
 seconds.
 
-Each side sends one HELLO frame (framing.py, kind HELLO, a msgpack map):
+Phase 1 (transport/handshake.py: identity, slot size and count against local limits,
+authentication) runs first on the side channel, so a stranger never makes us create verbs
+objects. Then each side sends one more HELLO frame (framing.py, kind HELLO, a msgpack map):
 
     transport, backend, version, proto      who we are
     gid, qpn, psn, mtu, max_msg             the RC QP: GID (RoCE v2), QP number, first
@@ -28,15 +30,11 @@ ready to receive.
 from __future__ import annotations
 
 import re
-import select
 import socket
 from typing import Optional
 
 from . import framing
-from .base import Deadline
-from .errors import ConnectionClosed, ProtocolError
-from .framing import Kind
-from .stream import sendmsg_all, wait_fd
+from .errors import ProtocolError
 
 PROTO = 1  # version of the rdma wire protocol below the framing
 MAX_NSLOTS = 4096
@@ -44,36 +42,6 @@ MAX_NCTRL = 256
 _GID = re.compile(r"^[0-9a-f]{4}(:[0-9a-f]{4}){7}$")
 _INTS = ("proto", "qpn", "psn", "mtu", "max_msg", "addr", "rkey", "slot_size", "room", "stride",
          "nslots", "small_size", "nctrl")
-
-
-def read_exact(sock: socket.socket, n: int, deadline: Deadline, what: str) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        try:
-            k = sock.recv_into(view[got:])
-        except (BlockingIOError, InterruptedError):
-            wait_fd(sock.fileno(), select.POLLIN, deadline, what)
-            continue
-        except OSError as exc:
-            raise ConnectionClosed(f"rdma handshake failed: {exc}") from None
-        if k == 0:
-            raise ConnectionClosed("peer closed during the rdma handshake")
-        got += k
-    return bytes(buf)
-
-
-def read_hello(sock: socket.socket, deadline: Deadline) -> dict:
-    """One HELLO frame from the side channel; anything else is a ProtocolError."""
-    kind, hlen, _ = framing.decode_prefix(read_exact(sock, framing.PREFIX_SIZE, deadline,
-                                                     "in the rdma handshake"))
-    if kind != Kind.HELLO:
-        raise ProtocolError(f"expected a handshake, got a {Kind(kind).name} frame")
-    return framing.decode_hello(read_exact(sock, hlen, deadline, "in the rdma handshake"))
-
-
-def send_hello(sock: socket.socket, params: dict, deadline: Deadline) -> None:
-    sendmsg_all(sock, [memoryview(b) for b in framing.encode_hello(params)], deadline)
 
 
 def params(**fields) -> dict:
@@ -112,13 +80,6 @@ def validate(peer: dict) -> dict:
         if not ok:
             raise ProtocolError(f"handshake: {why}")
     return peer
-
-
-def ready(sock: socket.socket, deadline: Deadline) -> None:
-    """The READY barrier: our QP is in RTS with its receives posted; wait for the peer's."""
-    send_hello(sock, {"ready": True}, deadline)
-    if read_hello(sock, deadline).get("ready") is not True:
-        raise ProtocolError("expected READY from the peer")
 
 
 def local_ip(sock: socket.socket) -> Optional[str]:

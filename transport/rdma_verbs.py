@@ -15,11 +15,10 @@ from __future__ import annotations
 import collections
 import fcntl
 import os
-import threading
 from typing import Optional
 
 from .errors import TransportError
-from .rdma_device import DeviceChoice
+from .rdma_device import OPEN_LOCK, DeviceChoice
 
 try:  # pyverbs is Debian's python3-pyverbs, not on PyPI: importing this module must not need it
     import pyverbs.enums as E
@@ -40,7 +39,6 @@ except ImportError as exc:  # pragma: no cover - exercised where pyverbs is miss
 
 #: verbs objects created by this module and not destroyed yet, by kind (tests read it)
 LIVE: collections.Counter = collections.Counter()
-_FD_LOCK = threading.Lock()
 
 # QP timing: 4.096 us * 2**16 = 268 ms per try, 6 retries: a silent peer is an error in ~2 s
 # (TCG guests stall for tens of ms; shorter timeouts retry needlessly). Not 7: rxe (and
@@ -94,7 +92,6 @@ class Verbs:
         self.recv_cq = self.send_cq = self.recv_cc = self.send_cc = None
         self.mrs: list = []
         self._send_wrs: list = []  # every (SendWR, SGE) made, for close
-        self._free_wrs: list = []
         self._recv_wrs: list = []
         self._closed = False
         try:
@@ -107,7 +104,7 @@ class Verbs:
         try:
             # the lock keeps a concurrent Context/CompChannel in another thread from
             # making the new-fd diff ambiguous
-            with _FD_LOCK:
+            with OPEN_LOCK:
                 self.ctx = Context(name=choice.device)
                 LIVE["context"] += 1
                 self.recv_cc, self.recv_fd = self._channel()
@@ -142,10 +139,11 @@ class Verbs:
     def _channel(self):
         before = _event_fds()
         cc = CompChannel(self.ctx)
-        LIVE["channel"] += 1
         new = _event_fds() - before
         if len(new) != 1:
+            _close(cc)
             raise TransportError(f"cannot find the completion channel's fd (new event fds: {new})")
+        LIVE["channel"] += 1
         fd = new.pop()
         # never block inside get_cq_event (it holds the GIL): we poll the fd first
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
@@ -195,8 +193,6 @@ class Verbs:
     def send_wr(self):
         """A (SendWR, SGE) pair whose WR reads its one scatter entry from the SGE, so that
         both are mutated in place for every post."""
-        if self._free_wrs:
-            return self._free_wrs.pop()
         sge = SGE(0, 0, 0)
         wr = SendWR(opcode=E.IBV_WR_SEND, num_sge=1, sg=[sge], send_flags=0)
         wr.close()  # frees the WR's own copy of the list ...
@@ -204,9 +200,6 @@ class Verbs:
         pair = (wr, sge)
         self._send_wrs.append(pair)
         return pair
-
-    def free_wr(self, pair) -> None:
-        self._free_wrs.append(pair)
 
     def recv_wr(self, wr_id: int, addr: int, length: int, lkey: int):
         sge = SGE(addr, length, lkey)
@@ -246,7 +239,7 @@ class Verbs:
             sge.close()
         for wr in self._recv_wrs:
             wr.close()
-        self._send_wrs, self._free_wrs, self._recv_wrs, self.mrs = [], [], [], []
+        self._send_wrs, self._recv_wrs, self.mrs = [], [], []
         self.qp = self.send_cq = self.recv_cq = self.send_cc = self.recv_cc = None
         self.pd = self.ctx = None
 

@@ -24,9 +24,10 @@ from typing import Any, Optional, Sequence
 import msgpack
 
 from . import framing
+from . import handshake as hs
 from .base import (DEFAULT_NSLOTS, DEFAULT_SLOT_SIZE, DEFAULT_TIMEOUT, Connection, ConnectionStats,
                    Deadline, Listener, Message, closed_error)
-from .errors import ConnectionClosed, ProtocolError, Timeout
+from .errors import AcceptFailed, ConnectionClosed, ProtocolError, Refused, Timeout
 from .framing import Kind
 from .pool import BufferPool, Slot, buffer_address, round_up
 from .shmring import (REC_HDR, W_ARMED_DATA, W_ARMED_SPACE, W_OUT_HEAD, W_OUT_TAIL, W_RUNG, Doorbell, Fence, Layout,
@@ -48,6 +49,7 @@ _CLOSE = int(Kind.CLOSE)
 _PREFIX = framing.PREFIX
 _MAGIC, _VERSION = framing.MAGIC, framing.VERSION
 _FD_MSG = b"F"
+_CRED = struct.Struct("3i")
 _pack = msgpack.Packer(use_bin_type=True).pack
 _unpackb = msgpack.unpackb
 # The hot-path record: ring length word, framing prefix, then the msgpack header
@@ -71,82 +73,94 @@ def _sock_name(name: str) -> str:
 
 
 # -- handshake ----------------------------------------------------------------------
-def _recv_exact(sock: socket.socket, n: int, deadline: Deadline) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        sock.settimeout(deadline.check("in the shm handshake"))
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    return _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+
+
+def check_credentials(creds: tuple[int, int, int], allowed_gids: Sequence[int]) -> None:
+    """Refused unless the peer runs as our user (or root), or its group is allowed: a
+    second local user can neither reach a service over shm nor pose as one."""
+    pid, uid, gid = creds
+    if uid in (os.getuid(), 0) or gid in allowed_gids:
+        return
+    raise Refused(f"shm peer (pid {pid}, uid {uid}, gid {gid}) is not this user "
+                  f"(uid {os.getuid()}) and not in an allowed group {sorted(allowed_gids)}")
+
+
+def _validate(peer: dict) -> None:
+    ring = peer.get("ring_bytes")
+    if type(ring) is not int or ring & (ring - 1) or not 2 * MAX_RECORD <= ring <= MAX_RING:
+        raise ProtocolError(f"handshake field ring_bytes={ring!r} is invalid")
+
+
+def _send_fds(sock: socket.socket, fds: list) -> hs.HandshakeGen:
+    while True:
         try:
-            chunk = sock.recv(n - len(buf))
-        except socket.timeout:
-            raise Timeout("timed out in the shm handshake") from None
+            socket.send_fds(sock, [_FD_MSG], fds, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+            return
+        except (BlockingIOError, InterruptedError):
+            yield hs.WRITE
         except OSError as e:
             raise ConnectionClosed(f"shm handshake failed: {e}") from None
-        if not chunk:
+
+
+def _recv_fds(sock: socket.socket) -> hs.HandshakeGen:
+    """The peer's [segment fd, doorbell fd]; anything else is closed and refused."""
+    while True:
+        try:
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 16, 2, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+            break
+        except (BlockingIOError, InterruptedError):
+            yield hs.READ
+        except OSError as e:
+            raise ConnectionClosed(f"shm handshake failed: {e}") from None
+    if msg != _FD_MSG or len(fds) != 2:
+        for fd in fds:
+            os.close(fd)
+        if not msg:
             raise ConnectionClosed("peer closed during the shm handshake")
-        buf += chunk
-    return bytes(buf)
+        raise ProtocolError("bad fd message in the shm handshake")
+    return fds
 
 
-def _handshake(sock: socket.socket, url: str, slot_size: int, nslots: int, timeout: float,
-               deadline: Deadline) -> "ShmConnection":
-    """Symmetric: HELLO both ways, create our segment for the peer's limits, swap fds."""
-    ours = {"transport": "moe-transport", "version": framing.VERSION, "backend": "shm",
-            "slot_size": slot_size, "nslots": nslots, "ring_bytes": RING_BYTES}
+def _handshake(sock: socket.socket, role: str, url: str, slot_size: int, nslots: int, timeout: float,
+               limits: hs.Limits, secret: Optional[bytes], allowed_gids: Sequence[int]) -> hs.HandshakeGen:
+    """Credentials, HELLO (+ AUTH) both ways, then each side creates its segment for the
+    peer's (checked) limits and the two swap segment and doorbell fds."""
+    creds = peer_credentials(sock)
     try:
-        sock.settimeout(deadline.check("in the shm handshake"))
-        sock.sendall(b"".join(framing.encode_hello(ours)))
-        kind, hlen, _ = framing.decode_prefix(_recv_exact(sock, framing.PREFIX_SIZE, deadline))
-        if kind != Kind.HELLO:
-            raise ProtocolError(f"expected a handshake, got frame kind {kind}")
-        peer = framing.decode_hello(_recv_exact(sock, hlen, deadline))
-        if peer.get("transport") != "moe-transport" or peer.get("backend") != "shm":
-            raise ProtocolError("peer is not a moe-transport shm endpoint")
-        for key in ("slot_size", "nslots"):
-            v = peer.get(key)
-            if not isinstance(v, int) or not 0 < v < 1 << 40:
-                raise ProtocolError(f"handshake field {key}={v!r} is invalid")
-        p_slot, p_nslots = peer["slot_size"], peer["nslots"]
-        layout = Layout(RING_BYTES, pow2(max(p_nslots, 2)), p_slot, p_nslots, round_up(p_slot))
-        seg, seg_fd = Segment.create(layout)
-    except socket.timeout:
-        raise Timeout("timed out in the shm handshake") from None
-    except (BrokenPipeError, ConnectionResetError) as e:
-        raise ConnectionClosed(f"shm handshake failed: {e}") from None
-    peer_seg = None
-    bell = None
+        check_credentials(creds, allowed_gids)
+    except Refused as e:
+        try:
+            sock.send(b"".join(framing.encode_hello({"refused": str(e), "code": "credentials"})),
+                      socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+        except OSError:
+            pass
+        raise
+    ex = hs.HelloExchange(role, "shm", {"slot_size": slot_size, "nslots": nslots, "ring_bytes": RING_BYTES},
+                          limits=limits, secret=secret, validate=_validate)
+    yield from hs.exchange(sock, ex)
+    p_slot, p_nslots = ex.peer["slot_size"], ex.peer["nslots"]
+    layout = Layout(RING_BYTES, pow2(max(p_nslots, 2)), p_slot, p_nslots, round_up(p_slot))
+    seg, seg_fd = Segment.create(layout)
+    peer_seg = bell = None
     fds: list = []
     try:
         bell = Doorbell(sock.fileno())
         try:
-            socket.send_fds(sock, [_FD_MSG], [seg_fd, bell.fd])
-        except socket.timeout:
-            raise Timeout("timed out in the shm handshake") from None
-        except OSError as e:
-            raise ConnectionClosed(f"shm handshake failed: {e}") from None
+            yield from _send_fds(sock, [seg_fd, bell.fd])
         finally:
             os.close(seg_fd)
-        while True:
-            sock.settimeout(deadline.check("in the shm handshake"))
-            try:
-                msg, fds, _flags, _addr = socket.recv_fds(sock, 16, 4)
-            except socket.timeout:
-                raise Timeout("timed out in the shm handshake") from None
-            except OSError as e:
-                raise ConnectionClosed(f"shm handshake failed: {e}") from None
-            if not msg:
-                raise ConnectionClosed("peer closed during the shm handshake")
-            break
-        if msg != _FD_MSG or len(fds) != 2:
-            raise ProtocolError("bad fd message in the shm handshake")
+        fds = yield from _recv_fds(sock)
         peer_seg = Segment.attach(fds[0], slot_size=slot_size, nslots=nslots,
                                   max_ring=MAX_RING, min_ring=2 * MAX_RECORD)
         os.close(fds[0])
         peer_bell = fds[1]
         fds = []
-        sock.setblocking(False)
-        return ShmConnection(url, sock, seg, peer_seg, bell, peer_bell, slot_size, nslots,
+        conn = ShmConnection(url, sock, seg, peer_seg, bell, peer_bell, slot_size, nslots,
                              default_timeout=timeout)
-    except BaseException:
+    except BaseException:  # GeneratorExit too: an abandoned handshake frees what it made
         for fd in fds:
             os.close(fd)
         if peer_seg is not None:
@@ -155,6 +169,9 @@ def _handshake(sock: socket.socket, url: str, slot_size: int, nslots: int, timeo
             bell.close()
         seg.close()
         raise
+    conn.authenticated = ex.authenticated
+    conn.peer_credentials = creds
+    return conn
 
 
 class _ShmMessage(Message):
@@ -671,9 +688,15 @@ class ShmConnection(Connection):
 # -- listener and connect -----------------------------------------------------------
 class ShmListener(Listener):
     def __init__(self, name: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = DEFAULT_NSLOTS,
-                 timeout: float = DEFAULT_TIMEOUT, backlog: int = 128):
+                 timeout: float = DEFAULT_TIMEOUT, backlog: int = 128, secret: Any = None,
+                 max_peer_slot_size: Optional[int] = None, max_peer_nslots: Optional[int] = None,
+                 allowed_gids: Sequence[int] = ()):
         if slot_size <= 0 or nslots <= 0:
             raise ValueError("slot_size and nslots must be positive")
+        self.secret = hs.as_secret(secret)
+        self.limits = hs.Limits.for_endpoint(slot_size, nslots, max_slot_size=max_peer_slot_size,
+                                             max_nslots=max_peer_nslots)
+        self.allowed_gids = tuple(allowed_gids)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             self.sock.bind(_sock_name(name))
@@ -689,40 +712,39 @@ class ShmListener(Listener):
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def accept(self, timeout: Optional[float] = None) -> ShmConnection:
-        deadline = Deadline(timeout, self.timeout)
-        import select
-        p = select.poll()
-        p.register(self.sock.fileno(), select.POLLIN)
-        while True:
-            try:
-                sock, _ = self.sock.accept()
-                break
-            except (BlockingIOError, InterruptedError):
-                p.poll(deadline.check("waiting for a connection") * 1000.0 + 0.5)
-        self._n += 1
+    def accept_pending(self) -> Optional[hs.Pending]:
         try:
-            # a client that never says hello must not stall the listener for long
-            hs = Deadline(min(deadline.remaining() or 1.0, 5.0))
-            return _handshake(sock, f"{self.url}#{self._n}", self.slot_size, self.nslots, self.timeout, hs)
-        except BaseException:
-            sock.close()
-            raise
+            got = hs.accept_socket(self.sock)
+        except OSError as e:
+            raise AcceptFailed(f"{self.url}: accept failed: {e}", e.errno) from None
+        if got is None:
+            return None
+        sock = got[0]
+        self._n += 1
+        url = f"{self.url}#{self._n}"
+        gen = _handshake(sock, "server", url, self.slot_size, self.nslots, self.timeout, self.limits,
+                         self.secret, self.allowed_gids)
+        return hs.Pending(gen, sock, url)
 
     def close(self) -> None:
         self.sock.close()
 
 
 def listen(address: str, **options: Any) -> ShmListener:
-    """Listen on ``shm://address`` (options: slot_size, nslots, timeout)."""
+    """Listen on ``shm://address`` (options: slot_size, nslots, timeout, secret,
+    max_peer_slot_size, max_peer_nslots, allowed_gids)."""
     return ShmListener(address, **options)
 
 
 def connect(address: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = DEFAULT_NSLOTS,
-            timeout: float = DEFAULT_TIMEOUT) -> ShmConnection:
+            timeout: float = DEFAULT_TIMEOUT, secret: Any = None, max_peer_slot_size: Optional[int] = None,
+            max_peer_nslots: Optional[int] = None, allowed_gids: Sequence[int] = ()) -> ShmConnection:
     """Connect to ``shm://address``; blocks (bounded by ``timeout``) on the handshake."""
     if slot_size <= 0 or nslots <= 0:
         raise ValueError("slot_size and nslots must be positive")
+    secret = hs.as_secret(secret)
+    limits = hs.Limits.for_endpoint(slot_size, nslots, max_slot_size=max_peer_slot_size,
+                                    max_nslots=max_peer_nslots)
     deadline = Deadline(timeout)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
@@ -733,7 +755,10 @@ def connect(address: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = D
             raise Timeout(f"connecting to shm://{address}") from None
         except OSError as e:
             raise ConnectionClosed(f"cannot connect to shm://{address}: {e}") from None
-        return _handshake(sock, f"shm://{address}", slot_size, nslots, timeout, deadline)
+        sock.setblocking(False)
+        gen = _handshake(sock, "client", f"shm://{address}", slot_size, nslots, timeout, limits, secret,
+                         tuple(allowed_gids))
+        return hs.run(gen, sock.fileno(), deadline, "in the shm handshake")
     except BaseException:
         sock.close()
         raise

@@ -44,7 +44,7 @@ import msgpack
 from typing import Any, Optional, Sequence
 
 from . import framing
-from .base import Connection, ConnectionStats, Deadline, Message, closed_error
+from .base import Connection, ConnectionStats, Message, closed_error
 from .errors import ConnectionClosed, ProtocolError, Timeout
 from .framing import Kind
 from .pool import BufferPool, Slot
@@ -70,52 +70,6 @@ _LINGER = 2.0  # close(): longest wait for the kernel to hand our last bytes to 
 _monotonic = time.monotonic
 _pack = framing._packer.pack
 _unpackb = msgpack.unpackb
-
-
-# -- helpers for the (non-blocking) handshake socket -----------------------------------
-def wait_fd(fd: int, events: int, deadline: Deadline, what: str) -> None:
-    p = select.poll()
-    p.register(fd, events)
-    while True:
-        left = deadline.check(what)
-        if p.poll(left * 1000.0 + 0.5):
-            return
-
-
-def accept_before(lsock: socket.socket, deadline: Deadline, url: str) -> tuple:
-    """(socket, address) of the next connection on a non-blocking listening socket, waiting
-    until ``deadline`` (Timeout); a failing listener is ConnectionClosed."""
-    while True:
-        try:
-            return lsock.accept()
-        except (BlockingIOError, InterruptedError):
-            wait_fd(lsock.fileno(), select.POLLIN, deadline, "waiting for a connection")
-        except OSError as exc:
-            raise ConnectionClosed(f"{url}: accept failed: {exc}") from None
-
-
-def sendmsg_all(sock: socket.socket, views: list, deadline: Deadline, on_wait=None) -> int:
-    """Send a gather list completely (looping on partial sends) before the deadline.
-    For the handshake, before a connection exists."""
-    views = [memoryview(v).cast("B") for v in views]
-    total = sum(v.nbytes for v in views)
-    while views:
-        try:
-            n = sock.sendmsg(views[:_IOV_MAX], (), _DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            n = 0
-        except OSError as e:
-            raise ConnectionClosed(f"send failed: {e}") from None
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views:
-            if n:
-                views[0] = views[0][n:]
-            if on_wait is not None:
-                on_wait()
-            wait_fd(sock.fileno(), select.POLLOUT, deadline, "sending")
-    return total
 
 
 def _set_timeo(sock: socket.socket, opt: int, t: float) -> float:

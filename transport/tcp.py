@@ -3,22 +3,20 @@
 One ``sendmsg`` per message with the slot memoryviews in the gather list, and one
 ``recv_into`` per wake-up (see transport/stream.py): small payloads are copied from the
 read buffer into a slot of the receiver's pool, the rest of a large one is read straight
-into its slot. A handshake exchanges each side's slot size and slot count; the slot count
-is the number of credits the peer starts with.
+into its slot. The handshake (transport/handshake.py) exchanges each side's slot size and
+slot count, checked against the other side's limits; the slot count is the number of
+credits the peer starts with. With a ``secret`` both sides prove it (HMAC) first.
 """
 from __future__ import annotations
 
 import socket
-from typing import Optional
+from typing import Any, Optional
 
-from . import framing
+from . import handshake as hs
 from .base import DEFAULT_NSLOTS, DEFAULT_SLOT_SIZE, DEFAULT_TIMEOUT, Deadline, Listener
-from .errors import ConnectionClosed, ProtocolError, Timeout
-from .framing import Kind
+from .errors import AcceptFailed, ConnectionClosed, Timeout
 from .pool import BufferPool
-from .stream import StreamConnection, accept_before, sendmsg_all, wait_fd
-
-import select
+from .stream import StreamConnection
 
 
 def _parse(address: str) -> tuple[str, int]:
@@ -33,47 +31,27 @@ def _tune(sock: socket.socket) -> None:
     sock.setblocking(False)
 
 
-def _read_exact(sock: socket.socket, n: int, deadline: Deadline) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        try:
-            k = sock.recv_into(view[got:])
-        except (BlockingIOError, InterruptedError):
-            wait_fd(sock.fileno(), select.POLLIN, deadline, "in the handshake")
-            continue
-        except OSError as e:
-            raise ConnectionClosed(f"handshake failed: {e}") from None
-        if k == 0:
-            raise ConnectionClosed("peer closed during the handshake")
-        got += k
-    return bytes(buf)
-
-
-def _hello(sock: socket.socket, ours: dict, deadline: Deadline) -> dict:
-    sendmsg_all(sock, [memoryview(b) for b in framing.encode_hello(ours)], deadline)
-    kind, hlen, _ = framing.decode_prefix(_read_exact(sock, framing.PREFIX_SIZE, deadline))
-    if kind != Kind.HELLO:
-        raise ProtocolError(f"expected a handshake, got frame kind {kind}")
-    peer = framing.decode_hello(_read_exact(sock, hlen, deadline))
-    for key in ("slot_size", "nslots"):
-        v = peer.get(key)
-        if not isinstance(v, int) or v <= 0:
-            raise ProtocolError(f"handshake field {key}={v!r} is invalid")
-    if peer.get("transport") != "moe-transport":
-        raise ProtocolError("peer is not a moe-transport endpoint")
-    return peer
-
-
-def _params(slot_size: int, nslots: int) -> dict:
-    return {"transport": "moe-transport", "version": framing.VERSION,
-            "slot_size": slot_size, "nslots": nslots}
+def _handshake(sock: socket.socket, role: str, url: str, slot_size: int, nslots: int, timeout: float,
+               limits: hs.Limits, secret: Optional[bytes]) -> hs.HandshakeGen:
+    ex = hs.HelloExchange(role, "tcp", {"slot_size": slot_size, "nslots": nslots},
+                          limits=limits, secret=secret)
+    yield from hs.exchange(sock, ex)
+    pool = BufferPool(slot_size, nslots, name=f"recv:{url}")
+    conn = StreamConnection(sock, url, pool, ex.peer, default_timeout=timeout)
+    conn.authenticated = ex.authenticated
+    return conn
 
 
 class TcpListener(Listener):
     def __init__(self, address: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = DEFAULT_NSLOTS,
-                 timeout: float = DEFAULT_TIMEOUT, backlog: int = 128):
+                 timeout: float = DEFAULT_TIMEOUT, backlog: int = 128, secret: Any = None,
+                 max_peer_slot_size: Optional[int] = None, max_peer_nslots: Optional[int] = None):
+        if slot_size <= 0 or nslots <= 0:
+            raise ValueError("slot_size and nslots must be positive")
         host, port = _parse(address)
+        self.secret = hs.as_secret(secret)
+        self.limits = hs.Limits.for_endpoint(slot_size, nslots, max_slot_size=max_peer_slot_size,
+                                             max_nslots=max_peer_nslots)
         self.sock = socket.create_server((host, port), backlog=backlog, reuse_port=False)
         self.sock.setblocking(False)
         self.slot_size, self.nslots, self.timeout = slot_size, nslots, timeout
@@ -83,18 +61,23 @@ class TcpListener(Listener):
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def accept(self, timeout: Optional[float] = None) -> StreamConnection:
-        deadline = Deadline(timeout, self.timeout)
-        sock, addr = accept_before(self.sock, deadline, self.url)
+    def accept_pending(self) -> Optional[hs.Pending]:
+        try:
+            got = hs.accept_socket(self.sock)
+        except OSError as e:
+            raise AcceptFailed(f"{self.url}: accept failed: {e}", e.errno) from None
+        if got is None:
+            return None
+        sock, addr = got
+        url = f"tcp://{addr[0]}:{addr[1]}"
         try:
             _tune(sock)
-            # a client that never says hello must not stall the listener for long
-            peer = _hello(sock, _params(self.slot_size, self.nslots), Deadline(min(deadline.remaining() or 1.0, 5.0)))
-        except (ProtocolError, ConnectionClosed, Timeout):
+        except OSError:
             sock.close()
-            raise
-        pool = BufferPool(self.slot_size, self.nslots, name="recv:tcp-server")
-        return StreamConnection(sock, f"tcp://{addr[0]}:{addr[1]}", pool, peer, default_timeout=self.timeout)
+            return None  # reset before we looked at it
+        gen = _handshake(sock, "server", url, self.slot_size, self.nslots, self.timeout, self.limits,
+                         self.secret)
+        return hs.Pending(gen, sock, url)
 
     def close(self) -> None:
         self.sock.close()
@@ -105,8 +88,14 @@ def listen(address: str, **options) -> TcpListener:
 
 
 def connect(address: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = DEFAULT_NSLOTS,
-            timeout: float = DEFAULT_TIMEOUT) -> StreamConnection:
+            timeout: float = DEFAULT_TIMEOUT, secret: Any = None, max_peer_slot_size: Optional[int] = None,
+            max_peer_nslots: Optional[int] = None) -> StreamConnection:
+    if slot_size <= 0 or nslots <= 0:
+        raise ValueError("slot_size and nslots must be positive")
     host, port = _parse(address)
+    secret = hs.as_secret(secret)
+    limits = hs.Limits.for_endpoint(slot_size, nslots, max_slot_size=max_peer_slot_size,
+                                    max_nslots=max_peer_nslots)
     deadline = Deadline(timeout)
     try:
         sock = socket.create_connection((host, port), timeout=deadline.remaining())
@@ -116,9 +105,8 @@ def connect(address: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = D
         raise ConnectionClosed(f"cannot connect to tcp://{address}: {e}") from None
     try:
         _tune(sock)
-        peer = _hello(sock, _params(slot_size, nslots), deadline)
+        return hs.run(_handshake(sock, "client", f"tcp://{address}", slot_size, nslots, timeout, limits,
+                                 secret), sock.fileno(), deadline)
     except BaseException:
         sock.close()
         raise
-    pool = BufferPool(slot_size, nslots, name=f"recv:tcp://{address}")
-    return StreamConnection(sock, f"tcp://{address}", pool, peer, default_timeout=timeout)
