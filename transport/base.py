@@ -170,6 +170,12 @@ class Connection(abc.ABC):
         """Whether a message is already buffered (``recv(0)`` would not block on the fd)."""
         return False
 
+    @abc.abstractmethod
+    def send_ready(self) -> bool:
+        """Whether one message (up to ``max_message`` bytes, in a slot of ours) could be sent
+        now without waiting: the peer has credits left and there is room on the way. A
+        service holds a reply for a peer that is not ready instead of blocking on it."""
+
     def __enter__(self) -> "Connection":
         return self
 

@@ -266,6 +266,16 @@ class RdmaConnection(Connection):
     def pending(self) -> bool:
         return bool(self._inbox)
 
+    def send_ready(self) -> bool:
+        if self._closed or self._dead or self._gone:
+            return False
+        if self._tx_credits <= 0:
+            try:
+                self._poll_recv()  # credits come back as completions: look without waiting
+            except TransportError:
+                return False
+        return self._tx_credits > 0 and self._sq_used + 2 <= self._verbs.sq_depth
+
     def in_registered_memory(self, buf) -> bool:
         return self.recv_pool.contains(buf) or self._rbuf.contains(buf)
 

@@ -277,6 +277,13 @@ class ShmConnection(Connection):
         self._clear_bell()  # a stale ring would make the fd readable with nothing to read
         return False
 
+    def send_ready(self) -> bool:
+        if not self._usable:
+            return False
+        if not self.send_pool.available and not self._returns.ready():
+            return False
+        return self._out.room() >= 2 * (REC_HDR + MAX_RECORD)  # room for any record, padding included
+
     def recv(self, timeout: Optional[float] = None) -> Message:
         if self._closed:
             raise ConnectionClosed(f"{self.url}: connection is closed")

@@ -199,6 +199,10 @@ class RecordWriter:
         self.tail = words[W_OUT_TAIL]  # we are the only writer: keep it in a local
         self._next = self.tail
 
+    def room(self) -> int:
+        """Free bytes in the ring (a record of up to half of them always fits: see reserve)."""
+        return self.cap - (self.tail - self.words[W_OUT_HEAD])
+
     def reserve(self, need: int) -> int:
         """The ring offset of ``need`` contiguous bytes (``need`` a multiple of 8), or -1
         when there is no room now. Records never wrap: the rest of the ring is padded."""

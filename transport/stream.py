@@ -66,6 +66,7 @@ _TAG_CREDIT = struct.unpack("<I", _PREFIX.pack(_MAGIC, _VERSION, _CREDIT, 0, 0)[
 _IDLE_READ = 64 << 10  # read size when no payload is being received
 _READ_AHEAD = 4 << 10  # after the rest of a payload: the next prefix + header (+ a bit)
 _TIMEVAL = struct.Struct("ll")
+_SIOCOUTQNSD = 0x894B  # linux/sockios.h
 _LINGER = 2.0  # close(): longest wait for the kernel to hand our last bytes to the peer
 _monotonic = time.monotonic
 _pack = framing._packer.pack
@@ -163,6 +164,7 @@ class StreamConnection(Connection):
         self._poll = select.poll()
         self._poll.register(self._fd, _POLLIN)
         self._empty = memoryview(b"")
+        self._outq = bytearray(4)
 
     # -- receive: reading -------------------------------------------------------------
     def _read(self, flags: int) -> bool:
@@ -332,6 +334,15 @@ class StreamConnection(Connection):
 
     def pending(self) -> bool:
         return bool(self._inbox)
+
+    def send_ready(self) -> bool:
+        if self._closed or self._peer_gone is not None or self._credits <= 0 or self._tail is not None:
+            return False
+        # nothing queued in the kernel that it could not send yet: a peer that reads keeps it
+        # so, and a frame we start goes out as the peer reads; one that does not read would
+        # stall the send (SIOCOUTQNSD: bytes not sent; TIOCOUTQ would count unacked ones too)
+        fcntl.ioctl(self._fd, _SIOCOUTQNSD, self._outq)
+        return self._outq == b"\0\0\0\0"
 
     def recv(self, timeout: Optional[float] = None) -> Message:
         inbox = self._inbox

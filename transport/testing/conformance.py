@@ -675,6 +675,36 @@ def check_credits(env: PairEnv) -> None:
     recv_seq(client, nslots, 10)
 
 
+def check_send_ready(env: PairEnv) -> None:
+    """send_ready() says whether a send would go without waiting: True on a fresh pair,
+    False once the receiver holds every message, True again (after the sender looked at
+    what came back: a recv(0)) once they are released."""
+    nslots = 4
+    client, server = env.pair(nslots=nslots)
+    assert client.send_ready() and server.send_ready(), "a fresh connection is ready"
+    held = []
+    for seq in range(nslots):
+        send_seq(client, seq, 1024, timeout=5)
+        held.append(recv_seq(server, seq, 1024, hold=True))
+    assert not client.send_ready(), "ready with every credit held by the receiver"
+    err, _ = timed(lambda: send_seq(client, nslots, 10, timeout=0))
+    assert isinstance(err, Timeout), f"send after send_ready() said no: {err!r}"
+    for m in held:
+        m.release()
+    server.recv(timeout=0) if server.pending() else None
+    end = time.monotonic() + 2 + env.slack
+    while not client.send_ready():
+        assert time.monotonic() < end, "not ready again after the receiver released everything"
+        try:
+            client.recv(timeout=0.01).release()
+        except Timeout:
+            pass
+    send_seq(client, nslots, 10, timeout=0.5)
+    recv_seq(server, nslots, 10)
+    client.close()
+    assert not client.send_ready(), "a closed connection is not ready"
+
+
 def check_send_timeout_consistent(env: PairEnv) -> None:
     """Large sends with a short timeout to a receiver that is not reading: each send
     either returns (the message will arrive) or raises Timeout (it never will, and the
@@ -1372,6 +1402,7 @@ CHECKS: list[Callable[[PairEnv], None]] = [
     check_many_in_flight,
     check_full_duplex,
     check_credits,
+    check_send_ready,
     check_send_timeout_consistent,
     check_recv_timeout,
     check_peer_close,
