@@ -15,20 +15,18 @@ import numpy as np
 
 from workers import bf16
 
-CODES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.float64): "F64",
-         np.dtype(np.int64): "I64", np.dtype(np.uint8): "U8"}
-
-
 def write_safetensors(path: str, tensors: Mapping[str, tuple[str, np.ndarray]], metadata: dict | None = None
                       ) -> None:
-    """tensors: name -> (code, array); for "BF16" the array is float32 and is rounded."""
+    """tensors: name -> (code, array), the array cast to the code's dtype (for "BF16": rounded
+    from float32)."""
     header: dict = {"__metadata__": metadata or {"format": "pt"}}
     blobs, off = [], 0
     for name, (code, a) in tensors.items():
         if code == "BF16":
             data = bf16.from_float32(np.ascontiguousarray(a, np.float32)).tobytes()
         else:
-            data = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes()
+            dt = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "I64": "<i8", "U8": "u1"}[code]
+            data = np.ascontiguousarray(a, dtype=dt).tobytes()
         header[name] = {"dtype": code, "shape": list(a.shape), "data_offsets": [off, off + len(data)]}
         blobs.append(data)
         off += len(data)
