@@ -46,7 +46,8 @@ def measure(kind: str, dtype: str, n: int, d_model: int, d_ff: int, threads: int
     rng = np.random.default_rng(0)
     ws = [(rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32)
           for s in ((d_ff, d_model), (d_ff, d_model), (d_model, d_ff))]
-    k = make_kernel(kind, *ws, dtype=dtype, max_tokens=n, threads=threads)
+    # numpy: BLAS threads come from run()'s threadpool_limits; torch: set_num_threads
+    k = make_kernel(kind, *ws, dtype=dtype, max_tokens=n, threads=threads if kind == "torch" else None)
     x = _activation(n, d_model, dtype, rng)
     out = np.empty_like(x)
     k.forward(x, out)  # warm up (oneDNN picks and JITs its kernel on first use)
@@ -65,20 +66,25 @@ def measure(kind: str, dtype: str, n: int, d_model: int, d_ff: int, threads: int
 
 
 def run(args: argparse.Namespace) -> int:
+    from threadpoolctl import threadpool_limits
+    with threadpool_limits(args.threads):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     kernels = [tuple(k.split(":")) for k in args.kernels.split(",")]
-    from threadpoolctl import threadpool_limits
-    threadpool_limits(args.threads)
     rows = []
     print(f"SwiGLU {args.d_model}x{args.d_ff}, {args.threads} thread(s), cpu bf16 matmul units: {cpu_bf16_matmul()}")
-    print("tokens " + " ".join(f"{k}:{d:>9}" for k, d in kernels) + "   (GFLOP/s)")
+    cols = [f"{k}:{d}" for k, d in kernels]
+    print("tokens  " + "  ".join(cols) + "   (GFLOP/s)")
     for n in tokens:
         line = []
-        for kind, dtype in kernels:
+        for (kind, dtype), col in zip(kernels, cols):
             g = measure(kind, dtype, n, args.d_model, args.d_ff, args.threads, args.reps, args.min_time)
             rows.append({"kernel": kind, "dtype": dtype, "tokens": n, "gflops": round(g, 1)})
-            line.append(f"{g:>{len(kind) + 10}.1f}")
-        print(f"{n:>6} " + " ".join(line), flush=True)
+            line.append(f"{g:.1f}".rjust(len(col)))
+        print(f"{n:>6}  " + "  ".join(line), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"d_model": args.d_model, "d_ff": args.d_ff, "threads": args.threads,

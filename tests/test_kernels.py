@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from workers import bf16
-from workers.kernels import NumpySwiGLU, make_kernel
+from workers import kernels
+from workers.kernels import NumpySwiGLU, make_kernel, torch_compute_dtype
 
 D, F = 24, 40
 
@@ -123,6 +124,29 @@ def test_make_kernel_validation():
         make_kernel("numpy", *w, dtype=np.uint16)
     with pytest.raises(ValueError, match="w_down must have shape"):
         make_kernel("numpy", w[0], w[1], w[0])
+
+
+def test_torch_compute_dtype_follows_the_cpu(monkeypatch):
+    monkeypatch.setattr(kernels, "cpu_bf16_matmul", lambda: True)
+    assert torch_compute_dtype("bfloat16") == "bfloat16"
+    monkeypatch.setattr(kernels, "cpu_bf16_matmul", lambda: False)
+    assert torch_compute_dtype("bfloat16") == "float32"
+    assert torch_compute_dtype("float32") == "float32"
+
+
+def test_kernel_bench_runs(tmp_path):
+    import argparse
+    import json
+    from bench import kernel_bench
+    p = argparse.ArgumentParser()
+    kernel_bench.add_arguments(p)
+    out = tmp_path / "k.json"
+    args = p.parse_args(["--d-model", "16", "--d-ff", "32", "--tokens", "2,4", "--kernels", "numpy:float32",
+                         "--reps", "1", "--min-time", "0.001", "--json", str(out)])
+    assert kernel_bench.run(args) == 0
+    res = json.loads(out.read_text())["results"]
+    assert [(r["kernel"], r["tokens"]) for r in res] == [("numpy", 2), ("numpy", 4)]
+    assert all(r["gflops"] > 0 for r in res)
 
 
 def test_torch_kernel_says_how_to_get_torch(monkeypatch):

@@ -34,7 +34,8 @@ import numpy as np
 
 from workers import bf16
 
-__all__ = ["Kernel", "NumpySwiGLU", "TorchSwiGLU", "make_kernel", "KINDS", "cpu_bf16_matmul"]
+__all__ = ["Kernel", "NumpySwiGLU", "TorchSwiGLU", "make_kernel", "KINDS", "cpu_bf16_matmul",
+           "torch_compute_dtype"]
 
 KINDS = ("numpy", "torch")
 ACTIVATIONS = ("silu",)
@@ -288,3 +289,12 @@ def cpu_bf16_matmul() -> bool:
     except OSError:
         pass
     return False
+
+
+def torch_compute_dtype(wire_dtype: str) -> str:
+    """The torch kernel's compute dtype for activations of ``wire_dtype``: bf16 where the
+    CPU has bf16 matrix units, else float32 (bf16 without them is emulated: several times
+    slower than float32 on the same core; the kernel then converts bf16 in and out)."""
+    if wire_dtype == "bfloat16":
+        return "bfloat16" if cpu_bf16_matmul() else "float32"
+    return wire_dtype
