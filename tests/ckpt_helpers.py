@@ -92,7 +92,7 @@ def family_tensors(family: str, cfg: dict, *, fused: bool = False, seed: int = 0
     t: dict[str, np.ndarray] = {"model.embed_tokens.weight": r(10, H)}
     n_e = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
     for L in range(cfg["num_hidden_layers"]):
-        moe = family != "deepseek_v3" or L >= cfg["first_k_dense_replace"]
+        moe = family != "deepseek_v3" or (L >= cfg["first_k_dense_replace"] and L % cfg.get("moe_layer_freq", 1) == 0)
         if family == "qwen2_moe" and L in cfg.get("mlp_only_layers", []):
             moe = False
         p = f"model.layers.{L}.{'block_sparse_moe' if family == 'mixtral' and not fused else 'mlp'}"

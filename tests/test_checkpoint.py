@@ -181,6 +181,16 @@ def test_deepseek_spec(tmp_path):
     assert sh is not None and sh.gate_weight is None and sh.pieces == 1
 
 
+def test_deepseek_moe_layer_freq(tmp_path):
+    """DeepSeek's own config field (transformers' V3 code only reads first_k_dense_replace;
+    with moe_layer_freq 1, the Hub's value, both agree)."""
+    d, _, _ = tiny_checkpoint(str(tmp_path / "ds"), "deepseek_v3", n_layers=6, moe_layer_freq=2)
+    assert model_spec(Checkpoint(d)).moe_layers == [2, 4]
+    d = patch_config(d, moe_layer_freq=1)
+    with pytest.raises(CheckpointError, match="makes layers 1-5 MoE layers, the tensors have routers in layers 2,4"):
+        model_spec(Checkpoint(d))
+
+
 def test_unknown_family_needs_a_routing_rule_in_its_config(tmp_path):
     d, _, t = tiny_checkpoint(str(tmp_path / "a"), "mixtral")
     patch_config(d, model_type="my_moe")
