@@ -6,27 +6,19 @@ which are authoritative (a config value that disagrees with a tensor shape is an
 
 Families, as transformers 5 computes them (checked against its modules in the tests):
 
-=============  ==============================  =========================================
-family         routing                          shared experts, MoE layers
-=============  ==============================  =========================================
-mixtral,       softmax, top-k, renormalised    none; every layer
-minimax
-qwen2_moe      softmax, top-k, renormalised     ``shared_expert`` * sigmoid(
-               iff ``norm_topk_prob``            ``shared_expert_gate`` x); layers with
-                                                (L+1) % decoder_sparse_step == 0 and not in
-                                                ``mlp_only_layers``
-qwen3_moe      as qwen2_moe                     none; as qwen2_moe
-olmoe,         as qwen2_moe                     none; every layer
-flex_olmo
-deepseek_v3,   sigmoid scores, + e_score_       ``shared_experts`` (width
-glm4_moe,      correction_bias for selection     n_shared_experts * moe_intermediate_size),
-dots1          only, n_group/topk_group group   weight 1; layers L >= first_k_dense_replace
-               limit (group score: sum of its   (and L % moe_layer_freq == 0 where the
-               two best), weights from the      config has it, as DeepSeek's own code)
-               unbiased scores, renormalised
-               iff norm_topk_prob (+1e-20),
-               times routed_scaling_factor
-=============  ==============================  =========================================
+- mixtral, minimax: softmax top-k, always renormalised; no shared expert; every layer.
+- qwen2_moe: softmax top-k, renormalised iff ``norm_topk_prob``; ``shared_expert`` times
+  sigmoid(``shared_expert_gate`` x); MoE layers: (L+1) % ``decoder_sparse_step`` == 0 and
+  L not in ``mlp_only_layers``.
+- qwen3_moe: as qwen2_moe without a shared expert.
+- olmoe, flex_olmo: as qwen3_moe, every layer.
+- deepseek_v3, glm4_moe, dots1: sigmoid scores; ``e_score_correction_bias`` added for the
+  selection only; selection limited to the ``topk_group`` best of ``n_group`` groups (a
+  group's score: the sum of its two best biased scores); weights from the unbiased
+  scores, divided by (their sum + 1e-20) iff ``norm_topk_prob``, times
+  ``routed_scaling_factor``; ``shared_experts`` (width n_shared_experts x
+  moe_intermediate_size) with weight 1; MoE layers: L >= ``first_k_dense_replace`` (and
+  L % ``moe_layer_freq`` == 0 where the config has it, as DeepSeek's own code reads it).
 
 Another ``model_type`` is served when its tensors have one of these layouts and its config
 says which rule applies: ``scoring_func: "sigmoid"`` (or an ``e_score_correction_bias``
