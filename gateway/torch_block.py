@@ -31,14 +31,17 @@ refused).
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import numpy as np
 
+from gateway.reference import CheckpointMoE
 from workers import bf16
+from workers.checkpoint import Checkpoint, model_spec
 
 try:
     import torch
@@ -232,7 +235,7 @@ class InProcessLayerClient:
     Replies live in their own buffers until released, as transport replies do; ``release``
     only queues them (it may run in a finalizer) and the next ``send`` frees them."""
 
-    def __init__(self, layers: Mapping[int, Any]) -> None:
+    def __init__(self, layers: Mapping[int, CheckpointMoE]) -> None:
         self.layers = dict(layers)
         self._lock = threading.Lock()
         self._live: dict[int, np.ndarray] = {}
@@ -241,10 +244,8 @@ class InProcessLayerClient:
         self.sent = 0
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Any, layers: Any = None, *, kernel: str = "numpy",
-                        dtype: object = "float32") -> "InProcessLayerClient":
-        from gateway.reference import CheckpointMoE
-        from workers.checkpoint import Checkpoint, model_spec
+    def from_checkpoint(cls, checkpoint: str | os.PathLike | Checkpoint, layers: Iterable[int] | None = None, *,
+                        kernel: str = "numpy", dtype: object = "float32") -> "InProcessLayerClient":
         ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
         ids = model_spec(ckpt).moe_layers if layers is None else layers
         return cls({L: CheckpointMoE.from_checkpoint(ckpt, L, kernel=kernel, dtype=dtype) for L in ids})
@@ -255,13 +256,14 @@ class InProcessLayerClient:
         with self._lock:
             return len(self._live)
 
-    def _reap(self) -> None:
+    def free_released(self) -> None:
+        """Free the replies released since the last call (send and close call it)."""
         with self._lock:
             while self._done:
                 self._live.pop(self._done.pop(), None)
 
     def send(self, layer: int, hidden: np.ndarray) -> tuple[np.ndarray, Callable[[], None]]:
-        self._reap()
+        self.free_released()
         if layer not in self.layers:
             raise KeyError(f"layer {layer} is not served here; layers: {sorted(self.layers)}")
         y, _ = self.layers[layer].forward(hidden)
@@ -278,4 +280,4 @@ class InProcessLayerClient:
         return y, release
 
     def close(self) -> None:
-        self._reap()
+        self.free_released()

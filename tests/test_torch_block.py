@@ -80,11 +80,11 @@ def test_zero_copy_both_ways_and_release(tmp_path):
     v = y[0, 3:]  # a view keeps the reply alive...
     del y
     gc.collect()
-    inner._reap()
+    inner.free_released()
     assert inner.outstanding == 1
     del v  # ...and the last one gone releases it
     gc.collect()
-    inner._reap()
+    inner.free_released()
     assert inner.outstanding == 0
 
 
