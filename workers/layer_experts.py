@@ -1,0 +1,24 @@
+"""A worker's experts of a checkpoint layer as compute kernels.
+
+    kernels = load_expert_kernels(ckpt, spec, [0, 1, 8], kind="torch", dtype="bfloat16")
+    kernels[8].forward(x, reply_slot_array)          # id 8: a shared piece, if n_experts == 8
+
+Reads only these experts' tensors (workers.checkpoint.load_experts), hands the stored
+weights to the kernel as they are (bf16 bits stay bits for torch; numpy converts once).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from workers.checkpoint import Checkpoint, LayerSpec, load_experts
+from workers.kernels import Kernel, make_kernel
+
+__all__ = ["load_expert_kernels"]
+
+
+def load_expert_kernels(ckpt: Checkpoint, spec: LayerSpec, expert_ids: Iterable[int], *, kind: str = "numpy",
+                        dtype: object = "float32", max_tokens: int = 256, threads: int | None = 1
+                        ) -> dict[int, Kernel]:
+    return {e: make_kernel(kind, w.w_gate, w.w_up, w.w_down, dtype=dtype, max_tokens=max_tokens, threads=threads,
+                           activation=spec.activation)
+            for e, w in load_experts(ckpt, spec, expert_ids).items()}
