@@ -8,6 +8,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Debian packages: pyverbs/rdma-core (not on PyPI), and the real services the ops tests run
 APT_PKGS := python3-pyverbs rdma-core ibverbs-providers iproute2 docker-compose prometheus
 BACKEND ?= shm
+TORCH_VERSION ?= 2.13.0
 OUT := build
 
 .PHONY: deps run test test-host test-rdma bench bench-micro bench-rdma bench-moe bench-load compose-check clean
@@ -18,7 +19,10 @@ $(STAMP): setup.cfg pyproject.toml
 	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $$missing; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install -q -e '.[test,bench]'
+	@# the [torch] extra: torch's CPU build first (plain `torch` resolves to the CUDA build,
+	@# several GB; on this machine pip finds 2.13.0+cpu in its local wheel directory)
+	$(PY) -m pip install -q 'torch==$(TORCH_VERSION)'
+	$(PY) -m pip install -q -e '.[test,bench,torch]'
 	@# pyverbs comes from Debian (python3-pyverbs), not PyPI: link it into the venv
 	ln -sfn /usr/lib/python3/dist-packages/pyverbs "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/pyverbs"
 	touch $@
@@ -31,12 +35,13 @@ run: $(STAMP)
 test: $(STAMP)
 	@mkdir -p $(OUT)
 	@# rdma-marked tests need a device: they run in the rxe guest below (on the host they would only skip)
-	$(PY) -m pytest -q -p no:cacheprovider -m "not rdma" --junitxml=$(OUT)/junit-host.xml tests
+	@# MOE_REQUIRE_TORCH=1: the transformers checks fail rather than skip if the extra is missing
+	MOE_REQUIRE_TORCH=1 $(PY) -m pytest -q -p no:cacheprovider -m "not rdma" --junitxml=$(OUT)/junit-host.xml tests
 	$(PY) -m tests.rxe.vm test --out $(OUT)/rdma -- tests/rdma -q
 	$(PY) -m tests.summary $(OUT)/junit-host.xml $(OUT)/rdma/junit.xml
 
 test-host: $(STAMP)
-	$(PY) -m pytest -q -m "not rdma" tests
+	MOE_REQUIRE_TORCH=1 $(PY) -m pytest -q -m "not rdma" tests
 
 test-rdma: $(STAMP)
 	$(PY) -m tests.rxe.vm test --out $(OUT)/rdma -- tests/rdma -q
