@@ -346,11 +346,19 @@ def run(args: argparse.Namespace) -> int:
                             if p.impl in SHARED:
                                 measured.add(key)
                         if backend == "rdma" and fig == "descriptor" and not args.no_peers:
-                            try:
-                                results.append(_perftest_row(size, iters, args.stream_count))
-                            except Exception as e:
-                                results.append(failed("perftest", "rdma", "perftest", fig, size,
-                                                      f"{type(e).__name__}: {e}"))
+                            # perftest carries what the device does: the bare loop learnt its max_msg_sz
+                            floor = next((p for p in started if p.impl == "raw" and id(p) not in dead), None)
+                            if floor is not None and not floor.carries(size):
+                                results.append({"impl": "perftest", "backend": "rdma", "label": "perftest",
+                                                "figure": fig, "size": size, "carried": False,
+                                                "max_message": floor.max_message,
+                                                "note": f"not carried (max {floor.max_message} B)"})
+                            else:
+                                try:
+                                    results.append(_perftest_row(size, iters, args.stream_count))
+                                except Exception as e:
+                                    results.append(failed("perftest", "rdma", "perftest", fig, size,
+                                                          f"{type(e).__name__}: {e}"))
                     progress.advance(f"{backend} {report.human(size)}")
                     save()
             finally:
