@@ -51,6 +51,9 @@ class Peer:
     impl = "?"
     backend = "?"
     label = "?"  # how the report names it
+    #: whether a message's bytes travel at all in the descriptor figure (a socket's kernel
+    #: copies them; a shared-memory slot index carries none): if not, no bandwidth is claimed
+    descriptor_moves_bytes = True
 
     def __init__(self, max_size: int, *, server_cpu: Optional[int] = None, **options: Any):
         self.max_size = max(max_size, 64)
@@ -183,6 +186,7 @@ class MoeTransportPeer(Peer):
         super().__init__(max_size, **options)
         self.url = url
         self.backend = url.split("://", 1)[0]
+        self.descriptor_moves_bytes = self.backend != "shm"  # shm passes the slot, never its bytes
         self.nslots = nslots
         self.slot_size = slot_size or self.max_size
 
@@ -518,6 +522,7 @@ class ShmFloorPeer(Peer):
     writes the reply area, which the client reads)."""
 
     impl, backend, label = "raw", "shm", "bare slot handoff"
+    descriptor_moves_bytes = False
     RING = 8
     CTRL = 4096
 

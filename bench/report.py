@@ -82,9 +82,9 @@ def ratios(results: list[dict]) -> list[dict]:
             if p is None:
                 continue
             row[f"lat_vs_{pimpl}"] = r["lat_us"]["p50"] / p["lat_us"]["p50"] if p["lat_us"]["p50"] else None
-            if p.get("bw_gbps"):
+            if p.get("bw_gbps") and r.get("bw_gbps"):
                 row[f"bw_vs_{pimpl}"] = r["bw_gbps"] / p["bw_gbps"]
-            if p.get("write_bw_gbps"):
+            if p.get("write_bw_gbps") and r.get("bw_gbps"):
                 row["bw_vs_ib_write_bw"] = r["bw_gbps"] / p["write_bw_gbps"]
         out.append(row)
     return out
@@ -217,7 +217,7 @@ def print_transport(doc: dict, out=None) -> None:
         pr(line)
     if doc.get("interrupted"):
         pr(" status          : INTERRUPTED: the tables hold what was measured before")
-    marked = False
+    marked = nobw = False
     sizes = doc["settings"]["sizes"]
     tables = [b for b in doc["settings"]["backends"] if any(r["backend"] == b and r["impl"] == "moe-transport"
                                                              for r in results)]
@@ -228,10 +228,11 @@ def print_transport(doc: dict, out=None) -> None:
             pr()
             pr(f"== {b} · {FIGURE_TITLE[fig]} " + "=" * max(3, 100 - len(b) - len(FIGURE_TITLE[fig])))
             pr(f" {'#bytes':>9}  {'implementation':<{w_lab}} {'#iter':>6} {'t_min':>9} {'t_typical':>9} {'t_avg':>9}"
-               f" {'t_max':>9} {'t_stdev':>9} {'99%':>9} {'99.9%':>9} {'BW[GB/s]':>9}   {'ours/this t_typical':>20}"
-               f"   {'ours/this BW':>18}")
+               f" {'t_max':>9} {'t_stdev':>9} {'99%':>9} {'99.9%':>9} {'BW':>9} {'MsgRate':>9}"
+               f"   {'ours/this t_typical':>20}   {'ours/this BW':>18}")
             pr(f" {'':>9}  {'':<{w_lab}} {'':>6} {'[usec]':>9} {'[usec]':>9} {'[usec]':>9} {'[usec]':>9} {'[usec]':>9}"
-               f" {'[usec]':>9} {'[usec]':>9} {'':>9}   {'(lower is better)':>20}   {'(higher is better)':>18}")
+               f" {'[usec]':>9} {'[usec]':>9} {'[GB/s]':>9} {'[Mmsg/s]':>9}"
+               f"   {'(lower is better)':>20}   {'(higher is better)':>18}")
             for size in sizes:
                 ours = idx.get(("moe-transport", b, fig, size))
                 for impl, medium in rows:
@@ -252,24 +253,31 @@ def print_transport(doc: dict, out=None) -> None:
                     rel = L.get("reliable", {})
                     ok99, ok999 = rel.get("p99", True), rel.get("p999", True)
                     marked |= not (ok99 and ok999)
+                    nobw |= r.get("bw_gbps") is None and "bw_note" in r
+                    bw = _f(r.get("bw_gbps"), 9) if "bw_note" not in r else f"{'no data':>9}"
+                    rate = r.get("msg_rate")
                     line = (f"{head} {r['iters']:>6} {_f(L['min'], 9)} {_f(L['p50'], 9)} {_f(L['avg'], 9)}"
                             f" {_f(L.get('max'), 9)} {_f(L.get('stdev'), 9)} {_f(L['p99'], 9, ok99)}"
-                            f" {_f(L['p999'], 9, ok999)} {_f(r.get('bw_gbps'), 9)}")
+                            f" {_f(L['p999'], 9, ok999)} {bw} {_f(rate / 1e6 if rate else None, 9)}")
                     if impl != "moe-transport":
                         ok = ours is not None and ours.get("carried", True) and "error" not in ours
                         lr = ours["lat_us"]["p50"] / L["p50"] if ok and L["p50"] else None
-                        br = ours["bw_gbps"] / r["bw_gbps"] if ok and r.get("bw_gbps") else None
+                        br = ours["bw_gbps"] / r["bw_gbps"] if ok and ours.get("bw_gbps") and r.get("bw_gbps") else None
                         line += f"   {_ratio(lr, 20)}   {_ratio(br, 18)}"
-                        if impl == "perftest" and ok and r.get("write_bw_gbps"):
+                        if impl == "perftest" and ok and r.get("write_bw_gbps") and ours.get("bw_gbps"):
                             line += f"   (ib_write_bw {r['write_bw_gbps']:.2f} GB/s: ours/this "\
                                     f"{ours['bw_gbps'] / r['write_bw_gbps']:.2f}x)"
                     pr(line)
             if fig == "data" and b == "rdma":
                 pr("  (perftest appears in the descriptor figure only: its payload is moved by the NIC, "
                    "never read or written by a CPU)")
-    if marked:
+    if marked or nobw:
         pr()
+    if marked:
         pr(footnote({"99%": 99, "99.9%": 99.9}))
+    if nobw:
+        pr("no data: in the descriptor figure a shared-memory slot index is passed and no payload byte moves, "
+           "so no bandwidth is claimed (MsgRate stands; the data figure gives the GB/s)")
     if doc.get("targets"):
         pr()
         pr("== targets (a benchmark, never a test; ratios of figures measured in this run)")
@@ -310,7 +318,9 @@ def plot_transport(results: list[dict], path: str) -> Optional[str]:
             style = "-o" if key[0] == "moe-transport" else "--."
             name = f"{rs[0].get('label', key[0])} ({key[1]})"
             ax1.plot(xs, [r["lat_us"]["p50"] for r in rs], style, label=name)
-            ax2.plot(xs, [r["bw_gbps"] for r in rs], style, label=name)
+            bw = [(r["size"], r["bw_gbps"]) for r in rs if r.get("bw_gbps")]
+            if bw:
+                ax2.plot([x for x, _ in bw], [y for _, y in bw], style, label=name)
         for ax, title in ((ax1, "one-way t_typical (usec, half RTT)"), (ax2, "streaming bandwidth (GB/s)")):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")

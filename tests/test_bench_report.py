@@ -98,9 +98,12 @@ def test_payload_counter():
 # -- the printed report from a synthetic run -------------------------------------------------
 def _rec(impl, backend, fig, size, p50, bw, label=None, n=1000):
     s = lat_stats(np.linspace(0.5 * p50, 1.5 * p50, n))
-    return {"impl": impl, "backend": backend, "label": label or impl, "figure": fig, "size": size, "carried": True,
-            "iters": n, "warmup": 5, "lat_us": s, "bw_gbps": bw, "bw_peak_gbps": bw, "msg_rate": 1.0,
-            "stream_count": 50, "bursts": 3}
+    r = {"impl": impl, "backend": backend, "label": label or impl, "figure": fig, "size": size, "carried": True,
+         "iters": n, "warmup": 5, "lat_us": s, "bw_gbps": bw, "bw_peak_gbps": bw, "msg_rate": 2.5e5,
+         "stream_count": 50, "bursts": 3}
+    if backend == "shm" and fig == "descriptor":  # what measure() records: a slot index moves no bytes
+        r.update(bw_gbps=None, bw_peak_gbps=None, bw_note="no payload byte moves")
+    return r
 
 
 def _doc(results, backends=("shm",), sizes=(64, 4096, 1 << 20), figures=("descriptor", "data")):
@@ -128,7 +131,8 @@ def test_printed_tables_columns_ratios_marks_targets_and_references():
     out = io.StringIO()
     R.print_transport(doc, out)
     text = out.getvalue()
-    for col in ("#bytes", "#iter", "t_min", "t_typical", "t_avg", "t_max", "t_stdev", "99%", "99.9%", "BW[GB/s]"):
+    for col in ("#bytes", "#iter", "t_min", "t_typical", "t_avg", "t_max", "t_stdev", "99%", "99.9%", "BW",
+                "[GB/s]", "MsgRate", "[Mmsg/s]", "[usec]"):
         assert col in text, col
     assert "ours/this t_typical" in text and "(lower is better)" in text
     assert "ours/this BW" in text and "(higher is better)" in text
@@ -137,9 +141,12 @@ def test_printed_tables_columns_ratios_marks_targets_and_references():
         assert setting in text, setting
     assert "descriptor round trip" in text and "data round trip" in text
     assert "not carried (max 65536 B)" in text
-    # ratio on the floor's 4 KiB descriptor row: ours 4.0 / floor 0.5 = 8x latency, 2/4 = 0.5x bandwidth
-    row = next(line for line in text.splitlines() if line.split()[:2] == ["4096", "bare"])
-    assert "8.00x" in row and "0.50x" in row
+    # ratio on the floor's 4 KiB rows: ours 4.0 / floor 0.5 = 8x latency; bandwidth only where bytes move:
+    # the data figure (6 / 12 = 0.5x), not the descriptor figure (a slot index: "no data", no ratio)
+    desc, data = [line for line in text.splitlines() if line.split()[:2] == ["4096", "bare"]]
+    assert "8.00x" in desc and "no data" in desc and desc.rstrip().endswith("-") and "0.25" in desc  # 0.25 Mmsg/s
+    assert "8.00x" in data and "0.50x" in data and "no data" not in data
+    assert "no bandwidth is claimed" in text
     # 50 round trips cannot support 99% or 99.9%: marked, with the footnote
     big = next(line for line in text.splitlines() if line.split()[:2] == ["1048576", "bare"])
     assert big.count("*") == 2
@@ -267,3 +274,24 @@ def test_interrupted_run_keeps_what_it_measured(tmp_path):
     assert any(line.split()[:2] == ["64", "moe-transport"] for line in stdout.splitlines())
     time.sleep(0.5)
     assert _group_alive(p.pid) == []
+
+
+def test_shm_run_both_figures_and_no_bandwidth_claimed_for_a_slot_index(tmp_path):
+    """On shm the descriptor figure passes a slot index: its rows claim no GB/s (message
+    rate only) for ours and the bare handoff, while the data figure, where every byte is
+    written and read, has the bandwidth. Nothing is left in /dev/shm."""
+    from tests.helpers_procs import shm_entries
+    before = shm_entries()
+    out = tmp_path / "t.json"
+    p = subprocess.run(_cmd("--backend", "shm", "--sizes", "64,64K", "--iters", "30", "--stream-count", "60",
+                            "--json", str(out)), cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert shm_entries() - before == set()
+    res = {(r["impl"], r["backend"], r["figure"], r["size"]): r for r in json.loads(out.read_text())["results"]}
+    for size in (64, 65536):
+        for impl in ("moe-transport", "raw"):
+            d, x = res[(impl, "shm", "descriptor", size)], res[(impl, "shm", "data", size)]
+            assert d["bw_gbps"] is None and d["msg_rate"] > 0 and "bw_note" in d
+            assert x["bw_gbps"] > 0 and x["lat_us"]["samples"] == 30
+        assert res[("pyzmq", "ipc", "descriptor", size)]["bw_gbps"] > 0  # a socket's kernel does move the bytes
+    assert "no data" in p.stdout and "pyzmq ipc" in p.stdout
