@@ -50,8 +50,9 @@ def parse_size(s: str) -> int:
 
 
 def _sizes(s: str) -> list[int]:
+    """Sizes in the order given (the run measures them so), each once."""
     try:
-        return [parse_size(x) for x in s.split(",") if x.strip()]
+        return list(dict.fromkeys(parse_size(x) for x in s.split(",") if x.strip()))
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"sizes like 64,4K,1M: {e}") from None
 

@@ -62,6 +62,8 @@ def test_lat_stats_perftest_columns_from_known_samples():
 def test_sizes_and_iterations():
     assert [parse_size(x) for x in ("64", "4K", "4KiB", "1M", "16MiB", "1G")] == \
         [64, 4096, 4096, 1 << 20, 16 << 20, 1 << 30]
+    from bench.transport_bench import _sizes
+    assert _sizes("64,16K,4K,64,16384") == [64, 16384, 4096]  # the order given, each size once
     assert _iters(64, 2000) == 2000 and _iters(1 << 20, 2000) == 125 and _iters(16 << 20, 2000) == 20
 
 
