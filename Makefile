@@ -22,7 +22,7 @@ $(STAMP): setup.cfg pyproject.toml
 	@# the [torch] extra: torch's CPU build first (plain `torch` resolves to the CUDA build,
 	@# several GB; on this machine pip finds 2.13.0+cpu in its local wheel directory)
 	$(PY) -m pip install -q 'torch==$(TORCH_VERSION)'
-	$(PY) -m pip install -q -e '.[test,bench,torch]'
+	$(PY) -m pip install -q -e '.[test,bench,torch,ray]'
 	@# pyverbs comes from Debian (python3-pyverbs), not PyPI: link it into the venv
 	ln -sfn /usr/lib/python3/dist-packages/pyverbs "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/pyverbs"
 	touch $@

@@ -2,23 +2,33 @@
 
     moe-bench load --mode fixed-rate --rate 5 --duration 10 --backend shm      # starts a gateway
     moe-bench load --mode ramp --rate 40 --ramp-steps 5 --gateway tcp://host:7000
-    moe-bench load --mode mixed --burstiness 3 --scenario zipf --json out.json --plot out.png
+    moe-bench load --mode mixed --burstiness 0.25 --scenario zipf --json out.json --plot out.png
     moe-bench load --mode ramp --full --systems moe-transport,multiprocessing,ray,reference
 
 The request model: a request is a prefill of P tokens (one forward pass of P rows through
 the MoE layer) then D decode steps of one token each (D more passes, one after the other),
-so TTFT, TPOT (the mean decode step) and end-to-end are measured on the real layer.
-Arrivals follow a schedule of ABSOLUTE deadlines (bench.schedule) at the target rate; a
-dispatcher releases each request at its time to a pool of C client threads. TTFT and
-end-to-end count from the SCHEDULED arrival, so waiting for a free client thread
-(queueing) is in them, not hidden (no coordinated omission); ``queue_ms`` is that wait
-alone and ``prefill_ms`` the prefill pass alone.
+so TTFT, TPOT (the mean decode step), ITL (every decode step) and end-to-end are measured
+on the real layer; as in vLLM's accounting the prefill yields the first generated token
+and each decode step one more (D + 1 generated tokens), and the layer itself carries
+P + D rows per request. Arrivals follow a schedule of ABSOLUTE deadlines (bench.schedule)
+at the target rate; a dispatcher releases each request at its time to a pool of C client
+threads. TTFT and end-to-end count from the SCHEDULED arrival, so waiting for a free
+client thread (queueing) is in them, not hidden (no coordinated omission); ``queue_ms`` is
+that wait alone and ``prefill_ms`` the prefill pass alone.
 
-Modes: fixed-rate (constant or --arrival poisson gaps), mixed (gamma gaps whose coefficient
-of variation is --burstiness, and request lengths drawn per request: prefill in [P/4, P],
-decode in [1, D]), ramp (--ramp-steps rates from --ramp-start to --rate, --step-duration each;
-stops at the first over-saturated step, where the queueing delay grows or p99 TPOT exceeds
---slo-tpot-ms, and reports the knee: the highest rate within the SLO).
+Every rate of a segment (request throughput, goodput, token throughputs) is computed over
+ONE duration, vLLM's "benchmark duration": from the segment's first scheduled arrival to
+the end of its last request. Goodput counts the requests within both SLOs, a subset of
+the completed ones, so it can never exceed the request throughput.
+
+Modes: fixed-rate (constant or --arrival poisson gaps), mixed (gamma gaps, bursty by
+default, and request lengths drawn per request: prefill in [P/4, P], decode in [1, D]),
+ramp (--ramp-steps rates from --ramp-start to --rate, --step-duration each; stops at the
+first over-saturated step, where the queueing delay grows, p99 TPOT exceeds --slo-tpot-ms
+or requests fail, and reports the knee: the highest rate within the SLO; a ramp that never
+saturated says "knee not reached (>= X req/s)"). Gamma arrivals take vLLM's --burstiness
+(the gamma shape: 1 is Poisson, lower is burstier) or, equivalently, --arrival-cv (the
+gaps' coefficient of variation, 1/sqrt(burstiness)).
 
 Routing scenarios (bench.scenarios): tokens come from a bank steered through the real
 router, so a run's expert popularity is uniform, Zipf(s), one hot expert, or a Zipf whose
@@ -28,14 +38,18 @@ all-to-all communication volume, checked against the transport's byte counters, 
 hit rate of an LRU expert cache for every number of resident experts.
 
 Systems (bench.systems), one after the other with the same schedule, tokens, weights and
-router: moe-transport (a gateway started here, per --backend, or --gateway), the in-process
-reference, multiprocessing pipes, one Ray actor per expert. The report gives ours as ratios
-to each: tokens/s and p99 TPOT at the same load, and (ramp) tokens/s at each one's knee.
+router: moe-transport (a gateway started here, per --backend, or a running one given by
+--gateway, whose configuration is asked first and used), the in-process reference,
+multiprocessing pipes, one Ray actor per expert. The report gives ours as ratios to each:
+tokens/s and p99 TPOT at the same load, and (ramp) tokens/s at each one's knee.
+
+The report (markdown, with vLLM-style result blocks) goes to stdout; progress and notes to
+stderr; the JSON carries the provenance (version, commit, command line, host, date).
 """
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import sys
 import threading
@@ -46,66 +60,101 @@ from typing import Any, Optional
 import numpy as np
 
 from bench import schedule as S
+from bench.stats import reliable
 
 DEMO = dict(d_model=256, d_ff=512, prefill=64, decode=8)
 FULL = dict(d_model=1024, d_ff=2048, prefill=256, decode=32)
+LAYER_DEFAULTS = dict(n_experts=8, top_k=2, dtype="float32")
+STARTED_DEFAULTS = dict(local_workers=2, max_wait_ms=1.0, max_inflight_rounds=2)
 PCTS = (("p50", 50.0), ("p95", 95.0), ("p99", 99.0), ("p999", 99.9))
+MIXED_BURSTINESS = 0.25  # mixed mode's default gamma shape: gaps with a CV of 2
 # peers go after ours, the reference last: its two BLAS threads spin after their work
 ORDER = {"moe-transport": 0, "multiprocessing": 1, "ray": 2, "reference": 3}
 
 
+class ConfigError(Exception):
+    """The flags contradict each other or the running gateway: refused before any load."""
+
+
+def _positive(s: str) -> float:
+    v = float(s)
+    if not v > 0 or math.isinf(v):
+        raise argparse.ArgumentTypeError(f"a positive finite number, got {s}")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", default="fixed-rate", choices=["fixed-rate", "ramp", "mixed"])
-    p.add_argument("--rate", type=float, default=5.0, help="target requests/s (ramp: the last step's)")
+    p.add_argument("--mode", default="fixed-rate", choices=["fixed-rate", "ramp", "mixed"],
+                   help="fixed-rate: one rate; ramp: steps up to saturation; mixed: bursty arrivals and mixed "
+                        "lengths (default fixed-rate)")
+    p.add_argument("--rate", type=_positive, default=5.0, help="target requests/s (ramp: the last step's); default 5")
     p.add_argument("--arrival", default=None, choices=["constant", "poisson", "gamma"],
-                   help="gap distribution (default: constant; mixed: gamma)")
-    p.add_argument("--burstiness", type=float, default=2.0, help="gamma gaps' coefficient of variation (mixed)")
-    p.add_argument("--duration", type=float, default=10.0, help="seconds of measured load (ramp: all steps)")
-    p.add_argument("--max-requests", type=int, default=0, help="stop after N measured requests (0: no cap)")
-    p.add_argument("--concurrency", type=int, default=4, help="client threads (the concurrency limit)")
-    p.add_argument("--warmup", type=float, default=1.0, help="seconds of unrecorded load first")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ramp-start", type=float, default=None, help="first step's rate (default rate/steps)")
-    p.add_argument("--ramp-steps", type=int, default=5)
-    p.add_argument("--step-duration", type=float, default=None, help="default duration/steps")
-    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput counts requests within both SLOs")
-    p.add_argument("--timeout", type=float, default=30.0, help="per forward, seconds")
+                   help="gap distribution (default constant; gamma in mixed mode or with --burstiness/--arrival-cv)")
+    bursty = p.add_mutually_exclusive_group()
+    bursty.add_argument("--burstiness", type=_positive, default=None,
+                        help="gamma arrivals' shape, vLLM's meaning: 1 is Poisson, lower is burstier, higher more "
+                             f"regular (gaps' CV = 1/sqrt(burstiness)); default 1, mixed mode {MIXED_BURSTINESS:g}")
+    bursty.add_argument("--arrival-cv", type=_positive, default=None, metavar="CV",
+                        help="gamma arrivals by the gaps' coefficient of variation instead (burstiness = 1/CV^2): "
+                             "1 is Poisson, higher is burstier")
+    p.add_argument("--duration", type=_positive, default=10.0, help="seconds of measured load (ramp: all steps); default 10")
+    p.add_argument("--max-requests", type=int, default=0, help="stop after N measured requests (default 0: no cap)")
+    p.add_argument("--concurrency", type=int, default=4, help="client threads, the concurrency limit (default 4)")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds of unrecorded load first (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="schedule, lengths, tokens and weights (default 0)")
+    p.add_argument("--ramp-start", type=_positive, default=None, help="first step's requests/s (default rate/steps)")
+    p.add_argument("--ramp-steps", type=int, default=5, help="number of ramp steps (default 5)")
+    p.add_argument("--step-duration", type=_positive, default=None, help="seconds per ramp step (default duration/steps)")
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT SLO, ms: the ramp's knee and goodput (default 100)")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0,
+                   help="TTFT SLO, ms: goodput counts requests within both SLOs (default 2000)")
+    p.add_argument("--timeout", type=float, default=30.0, help="per forward pass, seconds (default 30)")
     tgt = p.add_argument_group("systems")
     tgt.add_argument("--systems", default="moe-transport",
-                     help="comma-separated: moe-transport, reference, multiprocessing, ray, or all")
-    tgt.add_argument("--gateway", metavar="URL", help="moe-transport: a running moe-gateway")
+                     help="comma-separated: moe-transport, reference, multiprocessing, ray, or all (default moe-transport)")
+    tgt.add_argument("--gateway", metavar="URL",
+                     help="moe-transport: a running moe-gateway; its configuration (d_model, dtype, experts, top-k, "
+                          "router) is asked first and used; flags that contradict it are refused")
     tgt.add_argument("--backend", action="append", choices=["shm", "tcp", "rdma"],
                      help="moe-transport without --gateway: start one with local workers on this "
                           "backend (repeatable; default shm)")
-    tgt.add_argument("--workers", type=int, default=2, help="worker processes (moe-transport, multiprocessing)")
-    tgt.add_argument("--n-experts", type=int, default=8)
-    tgt.add_argument("--top-k", type=int, default=2)
-    tgt.add_argument("--capacity-factor", type=float, default=None)
-    tgt.add_argument("--d-model", type=int, default=None, help=f"default {DEMO['d_model']} (--full {FULL['d_model']})")
-    tgt.add_argument("--d-ff", type=int, default=None, help=f"default {DEMO['d_ff']} (--full {FULL['d_ff']})")
-    tgt.add_argument("--max-wait-ms", type=float, default=1.0, help="the started gateway's batching wait")
-    tgt.add_argument("--max-inflight-rounds", type=int, default=2, help="the started gateway's rounds out at once")
+    tgt.add_argument("--local-workers", type=int, default=None,
+                     help="worker processes: the started gateway's local workers, and the multiprocessing peer's "
+                          f"(default {STARTED_DEFAULTS['local_workers']})")
+    tgt.add_argument("--n-experts", type=int, default=None, help=f"default {LAYER_DEFAULTS['n_experts']} (--gateway: its own)")
+    tgt.add_argument("--top-k", type=int, default=None, help=f"default {LAYER_DEFAULTS['top_k']} (--gateway: its own)")
+    tgt.add_argument("--capacity-factor", type=float, default=None, help="router capacity factor (default none)")
+    tgt.add_argument("--d-model", type=int, default=None,
+                     help=f"default {DEMO['d_model']} (--full {FULL['d_model']}; --gateway: its own)")
+    tgt.add_argument("--d-ff", type=int, default=None,
+                     help=f"default {DEMO['d_ff']} (--full {FULL['d_ff']}; --gateway: its workers')")
+    tgt.add_argument("--dtype", default=None, choices=["float32", "float64"],
+                     help="activations' dtype (default float32; --gateway: its own); the peers compute in float32 only")
+    tgt.add_argument("--max-wait-ms", type=float, default=None,
+                     help=f"the started gateway's batching wait, ms (default {STARTED_DEFAULTS['max_wait_ms']:g})")
+    tgt.add_argument("--max-inflight-rounds", type=int, default=None,
+                     help=f"the started gateway's rounds out at once (default {STARTED_DEFAULTS['max_inflight_rounds']})")
     tgt.add_argument("--max-batch-tokens", type=int, default=None,
-                     help="the started gateway's tokens per round (default: every client's prefill at once)")
+                     help="the started gateway's tokens per round (default: every client's prefill at once, >= 256)")
     tgt.add_argument("--full", action="store_true", help="d_model 1024, d_ff 2048, prefill 256, decode 32")
     req = p.add_argument_group("requests")
     req.add_argument("--prefill", type=int, default=None, help=f"prompt tokens (default {DEMO['prefill']})")
     req.add_argument("--decode", type=int, default=None, help=f"decode steps (default {DEMO['decode']})")
     sc = p.add_argument_group("routing scenario")
     from bench.scenarios import SCENARIOS
-    sc.add_argument("--scenario", default="uniform", choices=SCENARIOS)
-    sc.add_argument("--zipf-s", type=float, default=1.2)
-    sc.add_argument("--hot-expert", type=int, default=0)
-    sc.add_argument("--hot-share", type=float, default=0.5, help="hot: share of first choices")
-    sc.add_argument("--drift-period", type=float, default=5.0, help="drift: seconds per rank rotation")
-    sc.add_argument("--bank", type=int, default=256, help="steered tokens per expert")
+    sc.add_argument("--scenario", default="uniform", choices=SCENARIOS, help="expert popularity (default uniform)")
+    sc.add_argument("--zipf-s", type=float, default=1.2, help="zipf, drift: the exponent (default 1.2)")
+    sc.add_argument("--hot-expert", type=int, default=0, help="hot: the hot expert (default 0)")
+    sc.add_argument("--hot-share", type=float, default=0.5, help="hot: share of first choices (default 0.5)")
+    sc.add_argument("--drift-period", type=float, default=5.0, help="drift: seconds per rank rotation (default 5)")
+    sc.add_argument("--bank", type=int, default=256, help="steered tokens per expert (default 256)")
     out = p.add_argument_group("output")
-    out.add_argument("--json", metavar="PATH")
-    out.add_argument("--markdown", metavar="PATH", help="write the summary here too")
+    out.add_argument("--json", metavar="PATH", help="write the results, with provenance, as JSON")
+    out.add_argument("--markdown", metavar="PATH", help="write the report (what stdout shows) here too")
     out.add_argument("--plot", metavar="PATH", help="PNG: latency vs throughput (ramp) or CDFs, expert load "
                                                      "over time, LRU cache hit rate")
-    out.add_argument("--progress", default="auto", choices=["auto", "rich", "plain", "none"])
+    out.add_argument("--progress", default="auto", choices=["auto", "rich", "plain", "none"],
+                     help="progress on stderr (default auto: rich on a terminal, else plain lines)")
 
 
 # -- percentiles -----------------------------------------------------------------------
@@ -147,12 +196,16 @@ class Histogram:
         return float(np.percentile(np.asarray(self._values) * 1e3, p))
 
     def summary(self) -> dict:
+        """Percentiles, mean, std and max in ms; ``n``/``samples`` the sample count and
+        ``reliable`` which percentiles it supports (p99 needs 100 samples, p99.9 1000)."""
         d: dict[str, Any] = {k: self.percentile_ms(p) for k, p in PCTS}
-        if self._values:
+        n = len(self._values)
+        if n:
             a = np.asarray(self._values) * 1e3
-            d.update(mean=float(a.mean()), max=float(a.max()), n=len(a))
+            d.update(mean=float(a.mean()), std=float(a.std()), max=float(a.max()))
         else:
-            d.update(mean=float("nan"), max=float("nan"), n=0)
+            d.update(mean=float("nan"), std=float("nan"), max=float("nan"))
+        d.update(n=n, samples=n, reliable={k: reliable(p, n) for k, p in PCTS})
         return d
 
 
@@ -289,12 +342,22 @@ def _request_level(e: Exception) -> bool:
 # -- statistics of one segment ---------------------------------------------------------
 def segment_record(done: list[Done], *, mode: str, backend: str, target_rate: float, duration: float,
                    slo_tpot_ms: float, step: Optional[int] = None, use_hdr: Optional[bool] = None,
-                   system: str = "moe-transport", slo_ttft_ms: float = float("inf")) -> dict:
-    """One segment's record (the JSON ``results`` entry): rates, tokens/s, percentiles of
-    TTFT/TPOT/e2e/queueing, goodput (requests meeting both SLOs), the saturation verdict."""
-    ok = [d for d in done if d.error is None and d.job.record]
+                   system: str = "moe-transport", slo_ttft_ms: float = float("inf"),
+                   t_start: Optional[float] = None) -> dict:
+    """One segment's record (the JSON ``results`` entry), vLLM's accounting: successful
+    and failed requests, totals, and every rate over ONE duration, so goodput (requests
+    within both SLOs, a subset of the completed ones) never exceeds the request throughput;
+    percentiles of TTFT/TPOT/ITL/E2EL/queueing (each with its sample count and which
+    percentiles it supports); the saturation verdict.
+
+    ``duration`` is the length of the schedule that offered the load (the step's, or less
+    when --max-requests cut it short), starting at ``t_start`` (default: the first
+    scheduled arrival); the benchmark duration (``duration_s``) runs from ``t_start`` to
+    the later of the schedule's end and the end of the last request, as vLLM's runs from
+    the first send (its arrivals span n/rate) to the last reply."""
     recorded = [d for d in done if d.job.record]
-    hist = {k: Histogram(use_hdr) for k in ("ttft", "tpot", "e2e", "queue", "prefill")}
+    ok = [d for d in recorded if d.error is None]
+    hist = {k: Histogram(use_hdr) for k in ("ttft", "tpot", "itl", "e2e", "queue", "prefill")}
     for d in ok:
         hist["ttft"].record(d.first - d.sched)
         hist["e2e"].record(d.end - d.sched)
@@ -302,39 +365,50 @@ def segment_record(done: list[Done], *, mode: str, backend: str, target_rate: fl
         hist["prefill"].record(d.first - d.start)
         if d.steps:
             hist["tpot"].record(float(np.mean(d.steps)))
-    starts = sorted(d.start for d in recorded)
-    if len(starts) >= 2 and starts[-1] > starts[0]:
-        achieved = (len(starts) - 1) / (starts[-1] - starts[0])
+            for s in d.steps:
+                hist["itl"].record(s)
+    if recorded:
+        t_begin = min(d.sched for d in recorded) if t_start is None else t_start
+        t_end = max(t_begin + duration, max(max(d.end, d.sched) for d in recorded))
+        bench_s = t_end - t_begin
     else:
-        achieved = len(starts) / duration if duration else 0.0
+        bench_s = 0.0
+
+    def per_s(x: float) -> float:
+        return x / bench_s if bench_s > 0 else 0.0
+
+    starts = sorted(d.start for d in recorded if d.start)
+    # the rate at which requests got a client thread; below the schedule's when the clients
+    # (the concurrency limit) or the generator fell behind
+    start_rate = (len(starts) - 1) / (starts[-1] - starts[0]) if len(starts) >= 2 and starts[-1] > starts[0] else 0.0
     sch = sorted(d.sched for d in recorded)
     # the rate the realized schedule asked for (bursty or Poisson gaps over a short window
-    # differ from the target by chance); achieved below it means the generator fell behind
-    scheduled = (len(sch) - 1) / (sch[-1] - sch[0]) if len(sch) >= 2 and sch[-1] > sch[0] else achieved
-    if ok:
-        t_first = min(d.sched for d in ok)
-        wall = max(d.end for d in ok) - t_first
-    else:
-        wall = 0.0
-    tokens = sum(d.tokens for d in ok)
+    # differ from the target by chance)
+    scheduled = (len(sch) - 1) / (sch[-1] - sch[0]) if len(sch) >= 2 and sch[-1] > sch[0] else 0.0
     good = [d for d in ok if 1e3 * (d.first - d.sched) <= slo_ttft_ms
             and (not d.steps or 1e3 * float(np.mean(d.steps)) <= slo_tpot_ms)]
+    input_tokens = sum(d.job.prefill for d in ok)
+    decode_tokens = sum(len(d.steps) for d in ok)
+    generated = sum(1 + len(d.steps) for d in ok)  # the prefill's first token, then one per decode step
+    layer_tokens = input_tokens + decode_tokens  # rows through the MoE layer
     by_sched = sorted(recorded, key=lambda d: d.sched)
-    growing = S.queue_growing([d.sched for d in by_sched], [d.start - d.sched for d in by_sched])
+    growing = S.queue_growing([d.sched for d in by_sched], [max(0.0, d.start - d.sched) for d in by_sched])
     tpot = hist["tpot"].summary()
-    verdict = S.StepVerdict(target_rate, tpot["p99"] if tpot["n"] else 0.0, growing, slo_tpot_ms)
+    verdict = S.StepVerdict(target_rate, tpot["p99"] if tpot["n"] else 0.0, growing, slo_tpot_ms,
+                            failed=len(recorded) - len(ok), requests=len(recorded))
     rec = {"system": system, "backend": backend, "mode": mode, "target_rate": target_rate,
-           "achieved_rate": achieved, "scheduled_rate": scheduled, "requests_per_s": len(ok) / wall if wall > 0 else 0.0,
-           "tokens_per_s": tokens / wall if wall > 0 else 0.0, "requests": len(recorded),
-           "completed": len(ok), "errors": len(recorded) - len(ok), "tokens": tokens,
-           "goodput_rps": len(good) / wall if wall > 0 else 0.0,
-           "goodput_tokens_per_s": sum(d.tokens for d in good) / wall if wall > 0 else 0.0,
-           "goodput_share": len(good) / len(ok) if ok else 0.0, "wall_s": wall,
-           "duration_s": duration,
-           "ttft_ms": hist["ttft"].summary(), "tpot_ms": tpot, "e2e_ms": hist["e2e"].summary(),
-           "queue_ms": hist["queue"].summary(), "prefill_ms": hist["prefill"].summary(),
-           "histogram": hist["ttft"].kind, "queue_growing": growing,
-           "saturated": not verdict.ok, "verdict": verdict.why}
+           "scheduled_rate": scheduled, "start_rate": start_rate,
+           "requests": len(recorded), "completed": len(ok), "failed": len(recorded) - len(ok),
+           "duration_s": bench_s, "schedule_s": duration,
+           "total_input_tokens": input_tokens, "total_output_tokens": generated, "tokens": layer_tokens,
+           "request_throughput": per_s(len(ok)), "request_goodput": per_s(len(good)),
+           "output_throughput": per_s(generated), "total_token_throughput": per_s(input_tokens + generated),
+           "tokens_per_s": per_s(layer_tokens), "goodput_tokens_per_s": per_s(sum(d.tokens for d in good)),
+           "good": len(good), "goodput_share": len(good) / len(ok) if ok else 0.0,
+           "ttft_ms": hist["ttft"].summary(), "tpot_ms": tpot, "itl_ms": hist["itl"].summary(),
+           "e2e_ms": hist["e2e"].summary(), "queue_ms": hist["queue"].summary(),
+           "prefill_ms": hist["prefill"].summary(), "histogram": hist["ttft"].kind,
+           "queue_growing": growing, "saturated": not verdict.ok, "verdict": verdict.why}
     if step is not None:
         rec["step"] = step
     errs = [d.error for d in recorded if d.error]
@@ -343,19 +417,21 @@ def segment_record(done: list[Done], *, mode: str, backend: str, target_rate: fl
     return rec
 
 
-# -- progress --------------------------------------------------------------------------
+# -- progress (stderr) -----------------------------------------------------------------
 class Progress:
     def __init__(self, kind: str, total: int, label: str) -> None:
         if kind == "auto":
-            kind = "rich" if sys.stdout.isatty() else "plain"
+            kind = "rich" if sys.stderr.isatty() else "plain"
         self.kind, self.total, self.label = kind, max(1, total), label
         self._bar = None
         self._last = 0.0
         if kind == "rich":
             try:
+                from rich.console import Console
                 from rich.progress import BarColumn, MofNCompleteColumn, Progress as RP, TextColumn, TimeElapsedColumn
                 self._bar = RP(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                               TextColumn("{task.fields[info]}"), TimeElapsedColumn(), transient=True)
+                               TextColumn("{task.fields[info]}"), TimeElapsedColumn(), transient=True,
+                               console=Console(stderr=True))
                 self._bar.start()
                 self._task = self._bar.add_task(label, total=self.total, info="")
             except Exception:
@@ -369,12 +445,16 @@ class Progress:
             now = time.monotonic()
             if now - self._last >= 1.0:
                 self._last = now
-                print(f"  {self.label}: sent {sent}/{self.total} {info}", flush=True)
+                note(f"  {self.label}: sent {sent}/{self.total} {info}")
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
 
+
+def note(msg: str) -> None:
+    """Progress and diagnostics: stderr, never into the report on stdout."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 # -- the run ---------------------------------------------------------------------------
@@ -386,24 +466,136 @@ def _shm_entries() -> set:
 
 
 def _resolve(args) -> None:
+    """Defaults, the arrival process, and the plan of systems; ConfigError on flags that
+    contradict each other."""
     base = FULL if args.full else DEMO
-    for k in ("d_model", "d_ff", "prefill", "decode"):
+    args.explicit = {k for k in ("d_model", "d_ff", "n_experts", "top_k", "dtype", "capacity_factor",
+                                 "local_workers", "max_wait_ms", "max_inflight_rounds", "max_batch_tokens", "backend")
+                     if getattr(args, k) is not None}
+    for k in ("prefill", "decode"):
         if getattr(args, k) is None:
             setattr(args, k, base[k])
+    if not args.gateway:
+        for k in ("d_model", "d_ff"):
+            if getattr(args, k) is None:
+                setattr(args, k, base[k])
+        for k, v in LAYER_DEFAULTS.items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
+    for k, v in STARTED_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    # arrivals: --burstiness is vLLM's gamma shape; --arrival-cv the same process by its CV
+    shape = args.burstiness if args.burstiness is not None else \
+        (S.burstiness_for_cv(args.arrival_cv) if args.arrival_cv is not None else None)
     if args.arrival is None:
-        args.arrival = "gamma" if args.mode == "mixed" else "constant"
+        args.arrival = "gamma" if args.mode == "mixed" or shape is not None else "constant"
+    elif args.arrival != "gamma" and shape is not None:
+        raise ConfigError(f"--burstiness/--arrival-cv shape gamma arrivals; they contradict --arrival {args.arrival}")
+    if args.arrival == "gamma":
+        args.burstiness = shape if shape is not None else (MIXED_BURSTINESS if args.mode == "mixed" else 1.0)
+        args.arrival_cv = S.cv_of_burstiness(args.burstiness)
+    elif args.arrival == "poisson":
+        args.burstiness, args.arrival_cv = 1.0, 1.0
+    else:
+        args.burstiness, args.arrival_cv = None, 0.0
     from bench.systems import SYSTEMS
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     if names == ["all"]:
         names = list(SYSTEMS)
     bad = [n for n in names if n not in SYSTEMS]
     if bad:
-        raise SystemExit(f"moe-bench load: unknown system {bad}; choose from {', '.join(SYSTEMS)} or all")
+        raise ConfigError(f"unknown system {bad}; choose from {', '.join(SYSTEMS)} or all")
     backends = args.backend or ["shm"]
     if args.gateway:
-        backends = [args.gateway.partition("://")[0]]
+        scheme = args.gateway.partition("://")[0]
+        if args.backend and args.backend != [scheme]:
+            raise ConfigError(f"--backend {','.join(args.backend)} contradicts --gateway {args.gateway} "
+                              f"(a running gateway is reached over {scheme})")
+        backends = [scheme]
     args.plan = sorted([("moe-transport", b) for b in backends if "moe-transport" in names]
                        + [(n, None) for n in names if n != "moe-transport"], key=lambda nb: ORDER[nb[0]])
+
+
+def describe_gateway(url: str, timeout: float) -> dict:
+    """What a running gateway serves, from its pong's ``config`` (d_model, dtype, experts,
+    top-k, router, batching) and its workers; d_ff, which the gateway does not report, from
+    the workers' own hello (``info``) when they can be reached from here."""
+    from gateway.client import GatewayClient
+    try:
+        with GatewayClient(url, timeout=timeout, connect_timeout=min(timeout, 10.0)) as c:
+            pong = c.ping(timeout=timeout)
+    except Exception as e:
+        raise ConfigError(f"cannot reach the gateway at {url}: {type(e).__name__}: {e}") from None
+    cfg = dict(pong.get("config") or {})
+    if "router" not in cfg:
+        raise ConfigError(f"the gateway at {url} does not describe its router (too old?)")
+    workers = []
+    for w in pong.get("workers", []):
+        info = {"url": w.get("url"), "experts": w.get("experts"), "healthy": w.get("healthy")}
+        info.update(_worker_info(w.get("url"), min(timeout, 5.0)))
+        workers.append(info)
+    d_ffs = sorted({w["d_ff"] for w in workers if w.get("d_ff") is not None})
+    cfg["workers"] = workers
+    cfg["d_ff"] = d_ffs[0] if len(d_ffs) == 1 else None
+    cfg["d_ff_source"] = ("the workers' hello" if len(d_ffs) == 1 else
+                          f"workers disagree: {d_ffs}" if d_ffs else "unknown: no worker could be asked")
+    return cfg
+
+
+def _worker_info(url: Optional[str], timeout: float) -> dict:
+    """A worker's hello (d_model, d_ff, dtype, max_tokens), or {} if it cannot be reached."""
+    if not url:
+        return {}
+    import transport
+    from workers import protocol as P
+    try:
+        conn = transport.connect(url, timeout=timeout)
+    except Exception:
+        return {}
+    try:
+        conn.send(P.request(P.INFO, 1), timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            with conn.recv(timeout=max(0.0, deadline - time.monotonic())) as msg:
+                h = msg.header
+            if isinstance(h, dict) and h.get("op") == P.INFO:
+                return {k: h[k] for k in ("d_model", "d_ff", "dtype", "max_tokens") if k in h}
+    except Exception:
+        return {}
+    finally:
+        conn.close()
+
+
+def adopt_gateway(args, cfg: dict) -> None:
+    """Take the layer's configuration from the running gateway; ConfigError when a flag the
+    user gave contradicts it (nothing is sent before that)."""
+    router = cfg["router"]
+    have = {"d_model": cfg.get("d_model", router.get("d_model")), "dtype": cfg.get("dtype", router.get("dtype")),
+            "n_experts": cfg.get("n_experts", router.get("n_experts")), "top_k": cfg.get("top_k", router.get("top_k")),
+            "capacity_factor": router.get("capacity_factor"), "d_ff": cfg.get("d_ff"),
+            "max_wait_ms": cfg.get("max_wait_ms"), "max_inflight_rounds": cfg.get("max_inflight_rounds"),
+            "max_batch_tokens": cfg.get("max_batch_tokens"), "local_workers": len(cfg.get("workers", [])) or None}
+    clash = []
+    for k in sorted(args.explicit):
+        if k == "backend" or (have.get(k) is None and k != "capacity_factor"):
+            continue  # (d_ff unknown: cannot be checked; recorded as the user's, unverified)
+        mine, theirs = getattr(args, k), have.get(k)
+        if mine is None or theirs is None or isinstance(mine, str) or isinstance(theirs, str):
+            differ = mine != theirs
+        else:
+            differ = float(mine) != float(theirs)
+        if differ:
+            clash.append(f"--{k.replace('_', '-')} {mine} (the gateway has {theirs})")
+    if clash:
+        raise ConfigError(f"the gateway at {args.gateway} serves another configuration than the flags say: "
+                          f"{'; '.join(clash)}. Drop those flags to use the gateway's, or point at a matching gateway.")
+    for k in ("d_model", "dtype", "n_experts", "top_k", "capacity_factor"):
+        setattr(args, k, have[k])
+    if have["d_ff"] is not None:
+        args.d_ff = have["d_ff"]
+    args.d_ff_source = cfg["d_ff_source"] if have["d_ff"] is not None else (
+        "--d-ff (not verified: " + cfg["d_ff_source"] + ")" if args.d_ff is not None else cfg["d_ff_source"])
 
 
 def _lengths(args, rng: np.random.Generator) -> tuple[int, int]:
@@ -419,15 +611,19 @@ def make_system(name: str, backend: Optional[str], args, router):
     if name == "moe-transport":
         if args.gateway:
             return SY.MoeTransport(args.gateway, backend, timeout=args.timeout)
-        return SY.MoeTransport.start(backend, workers=args.workers, n_experts=router.n_experts, top_k=router.top_k,
-                                     d_model=router.d_model, d_ff=args.d_ff, seed=seed,
+        return SY.MoeTransport.start(backend, workers=args.local_workers, n_experts=router.n_experts,
+                                     top_k=router.top_k, d_model=router.d_model, d_ff=args.d_ff, seed=seed,
                                      max_batch_tokens=args.max_batch_tokens or max(256, args.concurrency * args.prefill),
                                      max_wait_ms=args.max_wait_ms, capacity_factor=args.capacity_factor,
-                                     max_inflight_rounds=args.max_inflight_rounds)
+                                     max_inflight_rounds=args.max_inflight_rounds, dtype=args.dtype)
+    if args.dtype != "float32":
+        raise RuntimeError(f"the {name} peer computes in float32 only (this run's dtype is {args.dtype})")
+    if args.d_ff is None:
+        raise RuntimeError(f"the {name} peer needs d_ff, which the gateway's workers did not report: pass --d-ff")
     if name == "reference":
         return SY.Reference(router, args.d_ff, seed)
     if name == "multiprocessing":
-        return SY.Multiprocessing(router, args.workers, args.d_ff, seed, max_rows=args.prefill * router.top_k)
+        return SY.Multiprocessing(router, args.local_workers, args.d_ff, seed, max_rows=args.prefill * router.top_k)
     if name == "ray":
         return SY.RayActors(router, args.d_ff, seed)
     raise ValueError(name)
@@ -437,23 +633,29 @@ def run_segment(pool: ClientPool, args, clock, *, rate: float, duration: float, 
                 record: bool, max_n: Optional[int], step: int, label: str, stop: threading.Event,
                 bank, scenario, t_run: float) -> tuple[list[Done], list[float]]:
     first = len(pool.done)
-    gaps = S.make_gaps(args.arrival, rate, rng, args.burstiness)
-    sched = S.arrivals(gaps, t0=clock.now() + 0.005, duration=duration, max_n=max_n, step=step, rate=rate)
+    gaps = S.make_gaps(args.arrival, rate, rng, args.burstiness if args.arrival == "gamma" else 1.0)
+    t0 = clock.now() + 0.005
+    sched = S.arrivals(gaps, t0=t0, duration=duration, max_n=max_n, step=step, rate=rate)
     pacer = S.Pacer(sched, clock, stop=stop.is_set)
     expect = int(rate * duration) if max_n is None else min(max_n, int(rate * duration) + 1)
     prog = Progress(args.progress, expect, label)
-    sent = 0
+    sent, last = 0, None
     try:
         for a in pacer:
             P, D = _lengths(args, rng)
             idx = bank.draw(P + D, scenario.popularity(a.t - t_run), rng)
             pool.submit(Job(a, P, D, record, idx))
             sent += 1
+            last = a.t
             prog.update(sent, len(pool.done) - first, pool.busy, 1e3 * pacer.lateness[-1])
         pool.drain(timeout=args.timeout * (1 + args.decode) + 10)
     finally:
         prog.close()
-    return pool.done[first:], pacer.lateness
+    # the schedule's length: the whole step, unless --max-requests or a stop cut it short
+    # (then up to one mean gap after its last arrival)
+    if last is not None and ((max_n is not None and sent >= max_n) or stop.is_set()):
+        duration = min(duration, last - t0 + 1.0 / rate)
+    return pool.done[first:], pacer.lateness, t0, duration
 
 
 def _counters(system) -> dict:
@@ -473,18 +675,28 @@ def _delta(before: dict, after: dict, wall: float) -> dict:
         b = before.get("cpu_s", {}).get(proc)
         if v is not None and b is not None and wall > 0:
             out["cpu_cores"][proc] = (v - b) / wall
-    if "rounds" in after:
+    if "rounds" in after and "rounds" in before:
         rounds = after["rounds"] - before["rounds"]
         out["rounds"] = rounds
         out["stage_ms"] = {k: 1e3 * (after["stage_s"][k] - before["stage_s"].get(k, 0.0)) / rounds
                            for k in after["stage_s"]} if rounds else {}
         out["failed_rounds"] = after["failed_rounds"] - before["failed_rounds"]
-        out["gateway_dropped"] = after["dropped"] - before["dropped"]
-        out["gateway_overflow"] = after["overflow"] - before["overflow"]
+        out["gateway_dropped"] = after.get("dropped", 0) - before.get("dropped", 0)
+        out["gateway_overflow"] = after.get("overflow", 0) - before.get("overflow", 0)
         out["transport_bytes"] = after["transport_bytes"] - before["transport_bytes"]
+        out["gateway_errors"] = {k: n - before.get("errors", {}).get(k, 0) for k, n in after.get("errors", {}).items()
+                                 if n - before.get("errors", {}).get(k, 0)}
         rows = {e: n - before["expert_rows"].get(e, 0) for e, n in after["expert_rows"].items()}
         out["gateway_expert_rows"] = [rows.get(e, 0) for e in range(max(rows, default=-1) + 1)]
     return out
+
+
+def _safe_counters(system) -> dict:
+    try:
+        return _counters(system)
+    except Exception as e:  # a gateway that went away: the segment is still reported
+        note(f"  counters unavailable: {type(e).__name__}: {e}")
+        return {}
 
 
 def run_system(name: str, backend: Optional[str], args, router, bank, scenario) -> dict:
@@ -497,8 +709,11 @@ def run_system(name: str, backend: Optional[str], args, router, bank, scenario) 
     system = make_system(name, backend, args, router)
     backend = system.backend
     extra = f" at {system.url}" if name == "moe-transport" else ""
-    print(f"{label}: ready in {time.monotonic() - t:.1f} s{extra}", flush=True)
+    note(f"{label}: ready in {time.monotonic() - t:.1f} s{extra}")
     out: dict = {"records": [], "done": [], "knee": None, "system": name, "backend": backend}
+    if name == "moe-transport":
+        out["gateway_config"] = {k: v for k, v in system.config.items()}
+        out["gateway_started"] = system.proc is not None
     stop = threading.Event()
     pool = None
     try:
@@ -510,32 +725,35 @@ def run_system(name: str, backend: Optional[str], args, router, bank, scenario) 
             steps = S.ramp_steps(start, args.rate, n, args.step_duration or args.duration / n)
         else:
             steps = [S.RampStep(args.rate, args.duration)]
+        out["planned_rates"] = [st.rate for st in steps]
         t_run = clock.now()
+        verdicts: list = []
         try:
             if args.warmup > 0:
                 run_segment(pool, args, clock, rate=steps[0].rate, duration=args.warmup, rng=rng, record=False,
                             max_n=None, step=-1, label=f"{label} warmup", stop=stop, bank=bank, scenario=scenario,
                             t_run=t_run)
-            verdicts = []
             for j, st in enumerate(steps):
                 left = None if max_n is None else max_n - sum(r["requests"] for r in out["records"])
                 if left is not None and left <= 0:
                     break
-                before = _counters(system)
+                before = _safe_counters(system)
                 t0 = clock.now()
                 step_label = f"{label} step {j + 1}/{len(steps)} @ {st.rate:g}/s" if args.mode == "ramp" else \
                     f"{label} {args.mode}"
-                done, lateness = run_segment(pool, args, clock, rate=st.rate, duration=st.duration, rng=rng,
-                                             record=True, max_n=left, step=j, label=step_label, stop=stop,
-                                             bank=bank, scenario=scenario, t_run=t_run)
+                done, lateness, t_sched, window = run_segment(
+                    pool, args, clock, rate=st.rate, duration=st.duration, rng=rng, record=True, max_n=left, step=j,
+                    label=step_label, stop=stop, bank=bank, scenario=scenario, t_run=t_run)
                 wall = clock.now() - t0
-                rec = segment_record(done, mode=args.mode, backend=backend, target_rate=st.rate, duration=st.duration,
+                rec = segment_record(done, mode=args.mode, backend=backend, target_rate=st.rate, duration=window,
                                      slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms, system=name,
-                                     step=j if args.mode == "ramp" else None)
+                                     step=j if args.mode == "ramp" else None, t_start=t_sched)
+                rec["step_duration_s"] = st.duration
                 rec["pacer_late_ms_p99"] = float(np.percentile(lateness, 99) * 1e3) if lateness else 0.0
-                if args.mode == "mixed":
-                    rec["burstiness"] = args.burstiness
-                rec.update(_delta(before, _counters(system), wall))
+                rec["arrival"] = args.arrival
+                if args.arrival == "gamma":
+                    rec["burstiness"], rec["arrival_cv"] = args.burstiness, args.arrival_cv
+                rec.update(_delta(before, _safe_counters(system), wall))
                 trace = M.replay(router, [(t - t_run, idx) for d in done if d.job.record and d.error is None
                                           for t, idx in d.passes], bank)
                 load = M.expert_load(trace, router.n_experts)
@@ -544,19 +762,24 @@ def run_system(name: str, backend: Optional[str], args, router, bank, scenario) 
                 out["records"].append(rec)
                 out["done"].append(done)
                 verdicts.append(S.StepVerdict(st.rate, rec["tpot_ms"]["p99"] if rec["tpot_ms"]["n"] else 0.0,
-                                              rec["queue_growing"], args.slo_tpot_ms))
+                                              rec["queue_growing"], args.slo_tpot_ms, failed=rec["failed"],
+                                              requests=rec["requests"]))
+                if rec["failed"]:
+                    note(f"  {label}: {rec['failed']} of {rec['requests']} requests failed; first: {rec['first_error']}")
                 if args.mode == "ramp":
-                    print(f"  {label} step {j + 1}: target {st.rate:g}/s achieved {rec['achieved_rate']:.2f}/s, "
-                          f"{rec['tokens_per_s']:.0f} tokens/s, p99 TPOT {rec['tpot_ms']['p99']:.1f} ms, "
-                          f"p99 queue {rec['queue_ms']['p99']:.1f} ms: {verdicts[-1].why}", flush=True)
+                    note(f"  {label} step {j + 1}: target {st.rate:g}/s, throughput {rec['request_throughput']:.2f} "
+                         f"req/s, {rec['tokens_per_s']:.0f} tokens/s, p99 TPOT {rec['tpot_ms']['p99']:.1f} ms, "
+                         f"p99 queue {rec['queue_ms']['p99']:.1f} ms: {verdicts[-1].why}")
                     if not verdicts[-1].ok:
                         break
             if args.mode == "ramp":
-                out["knee"] = S.find_knee(verdicts)
+                out["knee"] = S.knee_of(verdicts)
         except KeyboardInterrupt:
             stop.set()
-            print("interrupted; reporting what finished", flush=True)
+            note("interrupted; reporting what finished")
             out["interrupted"] = True
+            if args.mode == "ramp":
+                out["knee"] = S.knee_of(verdicts)
     finally:
         if pool is not None:
             pool.close()
@@ -569,7 +792,8 @@ def run_system(name: str, backend: Optional[str], args, router, bank, scenario) 
 
 def _ratios(runs: list[dict], mode: str) -> list[dict]:
     """Each moe-transport run against each peer: tokens/s and p99 TPOT at the same load
-    (the last step both completed), and, for a ramp, tokens/s at each one's knee."""
+    (the last step both completed), and, for a ramp, tokens/s at each one's knee (a knee
+    not reached makes that side's figure a lower bound, and the ratio says so)."""
     ours = [r for r in runs if r["system"] == "moe-transport"]
     peers = [r for r in runs if r["system"] != "moe-transport"]
     out = []
@@ -583,12 +807,23 @@ def _ratios(runs: list[dict], mode: str) -> list[dict]:
                 row["tokens_per_s"] = a["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None
                 if a["tpot_ms"]["n"] and b["tpot_ms"]["n"]:
                     row["p99_tpot_lower_by"] = b["tpot_ms"]["p99"] / a["tpot_ms"]["p99"]
+                if a["ttft_ms"]["n"] and b["ttft_ms"]["n"]:
                     row["p99_ttft_lower_by"] = b["ttft_ms"]["p99"] / a["ttft_ms"]["p99"]
             if mode == "ramp":
+                ko, kp = o.get("knee") or {}, p.get("knee") or {}
+                row["knee"] = [ko.get("text"), kp.get("text")]
+                row["knee_rate"] = [ko.get("rate"), kp.get("rate")]
                 ka, kb = _at_knee(o), _at_knee(p)
-                row["knee_rate"] = [o["knee"], p["knee"]]
                 if ka and kb and kb["tokens_per_s"]:
-                    row["tokens_per_s_at_knee"] = ka["tokens_per_s"] / kb["tokens_per_s"]
+                    v = ka["tokens_per_s"] / kb["tokens_per_s"]
+                    if ko.get("reached") and kp.get("reached"):
+                        row["tokens_per_s_at_knee"] = v
+                    elif not ko.get("reached") and kp.get("reached"):
+                        row["tokens_per_s_at_knee_at_least"] = v  # ours did not saturate: a lower bound
+                    elif ko.get("reached") and not kp.get("reached"):
+                        row["tokens_per_s_at_knee_at_most"] = v
+                    else:
+                        row["tokens_per_s_top_steps"] = v  # neither saturated: top steps only
                 elif ka and not kb:
                     row["peer_saturated_at_every_step"] = True  # no ratio: the peer met the SLO nowhere
             out.append(row)
@@ -606,47 +841,84 @@ def _targets(ratios: list[dict], mode: str) -> list[dict]:
     if mode != "ramp":
         return out
     for r in ratios:
-        if r["ours"] != "moe-transport/shm" or "tokens_per_s_at_knee" not in r:
+        if r["ours"] != "moe-transport/shm":
             continue
         limit = {"ray": 5.0, "multiprocessing": 2.0}.get(r["peer"])
-        if limit:
-            v = r["tokens_per_s_at_knee"]
-            out.append({"target": f"shm tokens/s at the knee / {r['peer']}", "value": v, "limit": limit,
-                        "met": v >= limit})
+        if not limit:
+            continue
+        for key, how in (("tokens_per_s_at_knee", ""), ("tokens_per_s_at_knee_at_least", " (ours: knee not reached, "
+                                                                                          "a lower bound)")):
+            if key in r:
+                v = r[key]
+                out.append({"target": f"shm tokens/s at the knee / {r['peer']}{how}", "value": v, "limit": limit,
+                            "met": v >= limit})
     return out
 
 
+def _meta(args, router, scenario, gw_cfg: Optional[dict], runs: list[dict]) -> dict:
+    started = next((r.get("gateway_config") for r in runs if r.get("gateway_started")), None)
+    return {"mode": args.mode, "arrival": args.arrival, "burstiness": args.burstiness, "arrival_cv": args.arrival_cv,
+            "rate": args.rate, "duration": args.duration, "concurrency": args.concurrency, "warmup": args.warmup,
+            "seed": args.seed, "prefill": args.prefill, "decode": args.decode,
+            "ramp": {"start": args.ramp_start, "steps": args.ramp_steps, "step_duration": args.step_duration}
+            if args.mode == "ramp" else None,
+            "layer": {"d_model": router.d_model, "d_ff": args.d_ff, "d_ff_source": args.d_ff_source,
+                      "dtype": args.dtype, "n_experts": router.n_experts, "top_k": router.top_k,
+                      "capacity_factor": router.capacity_factor, "router": router.describe()},
+            "d_model": router.d_model, "d_ff": args.d_ff, "dtype": args.dtype, "n_experts": router.n_experts,
+            "top_k": router.top_k, "slo_tpot_ms": args.slo_tpot_ms, "slo_ttft_ms": args.slo_ttft_ms,
+            "scenario": scenario.describe(), "gateway": args.gateway,
+            "gateway_config": gw_cfg if gw_cfg is not None else started,
+            "local_workers": None if args.gateway else args.local_workers,
+            "systems": [f"{n}/{b}" if b else n for n, b in args.plan]}
+
+
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ConfigError as e:
+        note(f"moe-bench load: {e}")
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     from bench import load_report as R
     from bench import models as M
+    from bench.provenance import provenance, write_json_atomic
     from bench.scenarios import Scenario, TokenBank
     from gateway.router import Router
+    prov = provenance()
     _resolve(args)
     shm_before = _shm_entries()
-    if args.gateway:  # the layer is what the running gateway serves
-        from gateway.client import GatewayClient
-        with GatewayClient(args.gateway, timeout=args.timeout) as c:
-            cfg = c.ping(timeout=args.timeout).get("config", {})
-        if "router" not in cfg:
-            raise SystemExit("moe-bench load: that gateway does not describe its router (too old?)")
-        router = Router.from_description(cfg["router"])
-        args.d_model = router.d_model
+    gw_cfg = None
+    if args.gateway:  # the layer is what the running gateway serves: ask it first
+        gw_cfg = describe_gateway(args.gateway, args.timeout)
+        adopt_gateway(args, gw_cfg)
+        router = Router.from_description(gw_cfg["router"])
+        note(f"gateway {args.gateway}: d_model {args.d_model}, d_ff {args.d_ff} ({args.d_ff_source}), {args.dtype}, "
+             f"{router.n_experts} experts top-{router.top_k}, {len(gw_cfg.get('workers', []))} workers")
+        mbt = gw_cfg.get("max_batch_tokens")
+        if mbt and args.prefill > mbt:
+            note(f"note: prefills of up to {args.prefill} tokens exceed the gateway's max_batch_tokens {mbt}: "
+                 f"it refuses such requests (they are reported as failed)")
     else:
+        args.d_ff_source = "--d-ff, given to the gateway started here" if "d_ff" in args.explicit else \
+            "the default given to the gateway started here"
         router = Router(args.d_model, args.n_experts, args.top_k, seed=args.seed,
-                        capacity_factor=args.capacity_factor)
+                        capacity_factor=args.capacity_factor)  # as the started gateway builds it
     scenario = Scenario(args.scenario, router.n_experts, zipf_s=args.zipf_s, hot_expert=args.hot_expert,
                         hot_share=args.hot_share, drift_period=args.drift_period)
-    bank = TokenBank(router, per_expert=args.bank, seed=args.seed + 1)
-    print(f"load: mode {args.mode}, {args.arrival} arrivals, rate {args.rate:g}/s, {args.concurrency} clients, "
-          f"requests of {args.prefill} prefill + {args.decode} decode tokens, warmup {args.warmup:g} s; "
-          f"{router.n_experts} experts top-{router.top_k}, d_model {router.d_model}; routing {scenario.describe()}; "
-          f"systems {', '.join(n if b is None else f'{n}/{b}' for n, b in args.plan)}", flush=True)
+    bank = TokenBank(router, per_expert=args.bank, seed=args.seed + 1, dtype=np.dtype(args.dtype))
+    note(f"load: mode {args.mode}, {R.arrival_text(args)}, rate {args.rate:g}/s, {args.concurrency} clients, "
+         f"requests of {args.prefill} prefill + {args.decode} decode tokens, warmup {args.warmup:g} s; "
+         f"{router.n_experts} experts top-{router.top_k}, d_model {router.d_model}, {args.dtype}; routing "
+         f"{scenario.describe()}; systems {', '.join(n if b is None else f'{n}/{b}' for n, b in args.plan)}")
     runs, rc = [], 0
     for name, backend in args.plan:
         try:
             runs.append(run_system(name, backend, args, router, bank, scenario))
-        except Exception as e:  # a peer that cannot run here is reported, and the rest goes on
-            print(f"{name}: could not run: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        except Exception as e:  # a system that cannot run here is reported, and the rest goes on
+            note(f"{name}: could not run: {type(e).__name__}: {e}")
             rc = 1
             runs.append({"system": name, "backend": backend, "records": [], "done": [], "knee": None,
                          "error": f"{type(e).__name__}: {e}"})
@@ -655,65 +927,64 @@ def run(args: argparse.Namespace) -> int:
     leaked = sorted(_shm_entries() - shm_before)
     for r in runs:
         if r.get("exit_code") not in (0, None):
-            print(f"{r['system']}: gateway exit code {r['exit_code']}", file=sys.stderr)
+            note(f"{r['system']}: gateway exit code {r['exit_code']}")
             rc = 1
-    print(f"/dev/shm left behind: {leaked or 'nothing'}", flush=True)
+    note(f"/dev/shm left behind: {leaked or 'nothing'}")
     if leaked:
         rc = 1
     measured = [r for r in runs if r["records"]]
     if not measured:
-        print("no measured requests", file=sys.stderr)
-        return 1
+        note("no measured requests")
+        rc = 1
     if any(rec["completed"] == 0 for r in measured for rec in r["records"]):
         rc = 1
-    # the models, from the first system's run (every system got the same passes)
-    first = measured[0]
-    t_run = min(d.sched for seg in first["done"] for d in seg) if first["done"] else 0.0
-    trace = M.replay(router, sorted((t - t_run, idx) for seg in first["done"] for d in seg
+    # the models, from the first system's run that completed requests (every system got the same passes)
+    first = next((r for r in measured if any(d.error is None for seg in r["done"] for d in seg)), None)
+    segs = first["done"] if first else []
+    t_run = min((d.sched for seg in segs for d in seg), default=0.0)
+    trace = M.replay(router, sorted((t - t_run, idx) for seg in segs for d in seg
                                     if d.error is None for t, idx in d.passes), bank)
-    wall = sum(rec["wall_s"] for rec in first["records"])
-    placement = first.get("placement")
-    models = {"comm_volume": M.comm_volume(trace, router.d_model * 4, placement, wall),
+    wall = sum(rec["duration_s"] for rec in first["records"]) if first else 0.0
+    placement = first.get("placement") if first else None
+    models = {"comm_volume": M.comm_volume(trace, router.d_model * np.dtype(args.dtype).itemsize, placement, wall),
               "lru_hit_rate": M.lru_hit_rates(trace, router.n_experts),
-              "expert_load": M.expert_load(trace, router.n_experts)}
+              "expert_load": M.expert_load(trace, router.n_experts),
+              "from_system": None if first is None else f"{first['system']}/{first['backend']}"}
     moe = [r for r in measured if r["system"] == "moe-transport"]
-    if moe and "transport_bytes" in moe[0]["records"][0]:
-        got = sum(rec["transport_bytes"] for rec in moe[0]["records"])
+    if moe and moe[0] is first and "transport_bytes" in moe[0]["records"][0]:
+        got = sum(rec.get("transport_bytes", 0) for rec in moe[0]["records"])
         model = models["comm_volume"]["total_bytes"]
         models["comm_volume"]["transport_bytes_measured"] = got
         models["comm_volume"]["measured_over_model"] = got / model if model else None
     ratios = _ratios(measured, args.mode)
     targets = _targets(ratios, args.mode)
-    md = R.markdown(runs, ratios, targets, models, scenario, args)
-    print()
-    print(md)
+    meta = _meta(args, router, scenario, gw_cfg, runs)
+    md = R.markdown(runs, ratios, targets, models, scenario, args, prov, meta)
+    print(md, flush=True)
     if args.markdown:
         os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
         with open(args.markdown, "w") as f:
             f.write(md + "\n")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        meta = {"mode": args.mode, "arrival": args.arrival, "rate": args.rate, "duration": args.duration,
-                "concurrency": args.concurrency, "warmup": args.warmup, "seed": args.seed,
-                "prefill": args.prefill, "decode": args.decode, "d_model": router.d_model, "d_ff": args.d_ff,
-                "n_experts": router.n_experts, "top_k": router.top_k, "slo_tpot_ms": args.slo_tpot_ms,
-                "slo_ttft_ms": args.slo_ttft_ms, "scenario": scenario.describe(), "gateway": args.gateway,
-                "systems": [f"{n}/{b}" if b else n for n, b in args.plan]}
-        doc = {"meta": meta, "results": [rec for r in measured for rec in r["records"]],
+        doc = {"provenance": prov, "meta": meta, "results": [rec for r in measured for rec in r["records"]],
                "knees": {f"{r['system']}/{r['backend']}": r["knee"] for r in measured},
                "ratios": ratios, "targets": targets, "models": models,
-               "failed_systems": {r["system"]: r["error"] for r in runs if r.get("error")}}
+               "failed_systems": {r["system"]: r["error"] for r in runs if r.get("error")},
+               "interrupted": any(r.get("interrupted") for r in runs), "shm_left_behind": leaked}
         if args.mode == "ramp" and moe:
-            doc["knee_rate"] = moe[0]["knee"]
-        with open(args.json, "w") as f:
-            json.dump(_nan_to_none(doc), f, indent=1, default=float, allow_nan=False)
-        print(f"wrote {args.json}")
+            doc["knee"] = moe[0]["knee"]
+            doc["knee_rate"] = (moe[0]["knee"] or {}).get("rate")  # null unless a knee was reached
+        write_json_atomic(args.json, _nan_to_none(doc))
+        note(f"wrote {args.json}")
     if args.plot:
-        try:
-            R.plot(measured, models, args.plot, args.mode, args.slo_tpot_ms)
-            print(f"wrote {args.plot}")
-        except ImportError as e:
-            print(f"no plot: {e}", file=sys.stderr)
+        if measured:
+            try:
+                R.plot(measured, models, args.plot, args.mode, args.slo_tpot_ms)
+                note(f"wrote {args.plot}")
+            except ImportError as e:
+                note(f"no plot: {e}")
+        else:
+            note("no plot: nothing measured")
     return rc
 
 
@@ -725,4 +996,6 @@ def _nan_to_none(x):
         return {k: _nan_to_none(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_nan_to_none(v) for v in x]
+    if isinstance(x, np.generic):
+        return _nan_to_none(x.item())
     return x

@@ -95,8 +95,8 @@ def lru_hit_rates(trace: Sequence[Step], n_experts: int) -> list[float]:
 
 def expert_load(trace: Sequence[Step], n_experts: int, bin_s: float = 1.0) -> dict:
     """Per-expert share of the run's rows, and rows per expert per time bin (for a plot)."""
-    if not trace:
-        return {"share": [0.0] * n_experts, "bins_t": [], "bins": []}
+    if not trace:  # nothing completed (e.g. every request refused): an empty load, not a crash
+        return {"share": [0.0] * n_experts, "bins_t": [], "bins": [], "bin_s": bin_s, "dropped": 0, "overflow": 0}
     rows = np.sum([s.rows for s in trace], axis=0).astype(np.float64)
     t_end = max(s.t for s in trace)
     nb = int(t_end // bin_s) + 1

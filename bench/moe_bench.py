@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, default=6, help="batches per system per round")
     p.add_argument("--n-experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--local-workers", type=int, default=2,
+                   help="worker processes it starts for ours and for the multiprocessing peer (default 2)")
     p.add_argument("--d-model", type=int)
     p.add_argument("--d-ff", type=int)
     p.add_argument("--batch", type=int, help="tokens per batch")
@@ -129,15 +130,15 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     xs = [rng.standard_normal((batch, d)).astype(np.float32) for _ in range(args.batches)]
     print(f"config: {args.n_experts} experts, top-{args.top_k}, d_model {d}, d_ff {dff}, "
-          f"{batch}-token batches, {args.workers} workers; {args.rounds} rounds x {args.batches} batches")
+          f"{batch}-token batches, {args.local_workers} workers; {args.rounds} rounds x {args.batches} batches")
 
     # forked first, so they inherit none of the systems' connections
     refs = {f"reference-{t}t": ReferenceChild(t, d, dff, args.n_experts, args.top_k, args.seed) for t in (1, 2)}
     systems: dict[str, Any] = {}
     with threadpool_limits(1):  # the gateway side stays on one BLAS thread
-        systems["multiprocessing"] = Multiprocessing(ref.router, args.workers, dff, args.seed, batch * args.top_k)
+        systems["multiprocessing"] = Multiprocessing(ref.router, args.local_workers, dff, args.seed, batch * args.top_k)
     for b in backends:
-        systems[f"moe-transport/{b}"] = TransportSystem(b, ref.router, args.workers, d, dff, args.seed, batch)
+        systems[f"moe-transport/{b}"] = TransportSystem(b, ref.router, args.local_workers, d, dff, args.seed, batch)
     lat: dict[str, list[float]] = {"reference-1t": [], "reference-2t": [], **{k: [] for k in systems}}
     try:
         with threadpool_limits(1):
@@ -201,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"meta": {"config": dims | {"n_experts": args.n_experts, "top_k": args.top_k,
-                                                  "workers": args.workers, "rounds": args.rounds}},
+                                                  "local_workers": args.local_workers, "rounds": args.rounds}},
                        "results": results, "ceiling_tokens_per_s": ceiling, "ratios": ratios}, f, indent=1)
         print(f"wrote {args.json}")
     return 0

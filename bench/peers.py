@@ -1,9 +1,20 @@
 """The mechanisms a user would otherwise pick, and ours, behind one ping/stream interface.
 
 Every implementation runs its server half in a forked child process driven over a control
-pipe: ``("ping", size, n)`` echoes n messages of ``size`` bytes, ``("stream", size, n)``
-sinks n messages then acknowledges with one small message. The client half is timed in
-the parent. Same sizes, same counts, same processes for every implementation.
+pipe: ``("ping", size, n, data)`` echoes n messages of ``size`` bytes, ``("stream", size,
+n, data)`` sinks n messages then acknowledges with one small message. The client half is
+timed in the parent. Same sizes, same counts, same processes for every implementation.
+
+Two figures (``data``):
+
+- descriptor (``data=False``): a message is passed and its payload never touched (today's
+  figure; on shared memory this is a slot index whatever the size);
+- data (``data=True``): the sender writes every payload byte before sending, the receiver
+  reads (and checks) every payload byte on receipt, both ways of a round trip, with the
+  same functions (:mod:`bench.payload`) for every implementation.
+
+``max_message`` is the largest message an implementation carries (None: no limit); the
+benchmark reports a larger size as not carried instead of sending it.
 """
 from __future__ import annotations
 
@@ -13,6 +24,8 @@ import os
 import socket
 import tempfile
 from typing import Any, Optional
+
+from . import payload as PL
 
 _CTX = mp.get_context("fork")  # the shm floor's anonymous shared mapping must be inherited
 CTRL_TIMEOUT = 120.0
@@ -27,43 +40,62 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
+def _check_echo(got: int, sent: int) -> None:
+    if got != PL.next_byte(sent):
+        raise AssertionError(f"the echo carried the value {got}, expected {PL.next_byte(sent)}: stale data")
+
+
 class Peer:
     """One implementation: ``start()`` forks the server, ``ping``/``stream`` are timed."""
 
     impl = "?"
     backend = "?"
+    label = "?"  # how the report names it
+    #: whether a message's bytes travel at all in the descriptor figure (a socket's kernel
+    #: copies them; a shared-memory slot index carries none): if not, no bandwidth is claimed
+    descriptor_moves_bytes = True
 
-    def __init__(self, max_size: int, **options: Any):
+    def __init__(self, max_size: int, *, server_cpu: Optional[int] = None, **options: Any):
         self.max_size = max(max_size, 64)
+        self.server_cpu = server_cpu
         self.options = options
+        self.max_message: Optional[int] = None
         self._proc: Optional[mp.Process] = None
+        self._value = 0  # the data figure's counter byte (client side)
+
+    def carries(self, size: int) -> bool:
+        return self.max_message is None or size <= self.max_message
 
     # server side, in the child ------------------------------------------------------
     def serve_setup(self) -> Any:
         return None
 
-    def serve_connect(self, info: Any) -> None:
+    def serve_connect(self, info: Any) -> Any:
         raise NotImplementedError
 
-    def serve_echo(self, size: int, n: int) -> None:
+    def serve_echo(self, size: int, n: int, data: bool) -> None:
         raise NotImplementedError
 
-    def serve_sink(self, size: int, n: int) -> None:
+    def serve_sink(self, size: int, n: int, data: bool) -> None:
         raise NotImplementedError
 
     def _child(self, ctrl) -> None:
         try:
+            if self.server_cpu is not None:
+                os.sched_setaffinity(0, {self.server_cpu})
             ctrl.send(("ready", self.serve_setup()))
             while True:
                 cmd = ctrl.recv()
                 if cmd[0] == "quit":
                     break
-                op, size, n = cmd
+                op, size, n, data = cmd
                 if op == "connect":  # size carries the client's connection details
-                    self.serve_connect(size)
+                    val = self.serve_connect(size)
+                elif op == "ping":
+                    val = self.serve_echo(size, n, data)
                 else:
-                    (self.serve_echo if op == "ping" else self.serve_sink)(size, n)
-                ctrl.send(("done", None))
+                    val = self.serve_sink(size, n, data)
+                ctrl.send(("done", val))
         except Exception as e:  # surfaced to the parent instead of a silent hang
             try:
                 ctrl.send(("error", f"{type(e).__name__}: {e}"))
@@ -79,7 +111,13 @@ class Peer:
     def ping(self, size: int) -> None:
         raise NotImplementedError
 
+    def ping_data(self, size: int) -> None:
+        raise NotImplementedError
+
     def send_one(self, size: int) -> None:
+        raise NotImplementedError
+
+    def send_one_data(self, size: int) -> None:
         raise NotImplementedError
 
     def wait_ack(self) -> None:
@@ -106,24 +144,35 @@ class Peer:
         assert tag == want, (tag, want)
         return val
 
-    def command(self, op: str, size: int, n: int) -> None:
-        self._ctrl.send((op, size, n))
+    def command(self, op: str, size: Any, n: int, data: bool = False) -> None:
+        self._ctrl.send((op, size, n, data))
 
-    def finish(self) -> None:
-        self._reply("done")
+    def finish(self) -> Any:
+        return self._reply("done")
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
 
     def stop(self) -> None:
-        if self._proc is not None:
+        """Stop the server (an idle one quits; one stuck mid-command, after a failure or an
+        interrupt, sees its client close or is killed) and close the client. Idempotent."""
+        if not getattr(self, "_closed", False):
+            self._closed = True
             try:
-                self._ctrl.send(("quit", 0, 0))
+                self.client_close()
             except Exception:
                 pass
-            self._proc.join(5)
+        if self._proc is not None:
+            try:
+                self._ctrl.send(("quit", 0, 0, False))
+            except Exception:
+                pass
+            self._proc.join(3)
             if self._proc.is_alive():
                 self._proc.kill()
                 self._proc.join(5)
             self._proc = None
-        self.client_close()
+            self._ctrl.close()
 
     def client_close(self) -> None:
         pass
@@ -131,58 +180,99 @@ class Peer:
 
 class MoeTransportPeer(Peer):
     impl = "moe-transport"
+    label = "moe-transport"
 
-    def __init__(self, max_size: int, url: str, nslots: int = 8, **options: Any):
+    def __init__(self, max_size: int, url: str, nslots: int = 8, slot_size: Optional[int] = None, **options: Any):
         super().__init__(max_size, **options)
         self.url = url
         self.backend = url.split("://", 1)[0]
+        self.descriptor_moves_bytes = self.backend != "shm"  # shm passes the slot, never its bytes
         self.nslots = nslots
+        self.slot_size = slot_size or self.max_size
 
     def serve_setup(self):
         import transport
-        lst = transport.listen(self.url, slot_size=self.max_size, nslots=self.nslots, timeout=60)
-        self._ctrl_url = lst.url
-        # accept in the loop below, after the parent learned the URL
-        self._listener = lst
-        return lst.url
+        self._listener = transport.listen(self.url, slot_size=self.slot_size, nslots=self.nslots, timeout=60)
+        return self._listener.url
 
-    def _server_conn(self):
-        if not hasattr(self, "_sconn"):
-            self._sconn = self._listener.accept(timeout=60)
-        return self._sconn
+    def serve_connect(self, _):
+        """Accept the client (it connects while this waits); the largest message we may send."""
+        self._sconn = self._listener.accept(timeout=60)
+        return self._sconn.max_message
 
-    def serve_echo(self, size, n):
-        c = self._server_conn()
+    def serve_echo(self, size, n, data):
+        c = self._sconn
+        if not data:
+            for _ in range(n):
+                c.recv().release()
+                c.send({}, [c.alloc(size)])
+            return
         for _ in range(n):
-            c.recv().release()
-            c.send({}, [c.alloc(size)])
+            m = c.recv()
+            v = PL.verify(m.buffers[0] if m.buffers else b"", size)
+            m.release()
+            s = c.alloc(size)
+            PL.fill(s.buf, PL.next_byte(v))
+            c.send({}, [s])
 
-    def serve_sink(self, size, n):
-        c = self._server_conn()
+    def serve_sink(self, size, n, data):
+        c = self._sconn
         for _ in range(n):
-            c.recv().release()
+            m = c.recv()
+            if data:
+                PL.verify(m.buffers[0] if m.buffers else b"", size)
+            m.release()
         c.send({}, [c.alloc(0)])
 
     def client_setup(self, url):
         import threading
         import transport
         box: dict = {}
-        # the server accepts lazily on its first command: connect while it does
-        t = threading.Thread(target=lambda: box.update(c=transport.connect(url, slot_size=self.max_size, nslots=self.nslots, timeout=60)))
+
+        def connect():
+            try:
+                box["c"] = transport.connect(url, slot_size=self.slot_size, nslots=self.nslots, timeout=60)
+            except BaseException as e:  # reported below, after the server's answer
+                box["e"] = e
+        # the server accepts on its "connect" command: connect while it does
+        t = threading.Thread(target=connect)
         t.start()
-        self._ctrl.send(("ping", 0, 0))
+        self.command("connect", None, 0)
         t.join(60)
+        if "e" in box:
+            raise box["e"]
         self.conn = box["c"]
-        self._reply("done")
+        server_max = self._reply("done")
+        self.max_message = min(self.conn.max_message, server_max)
 
     def ping(self, size):
         c = self.conn
         c.send({}, [c.alloc(size)])
         c.recv().release()
 
+    def ping_data(self, size):
+        c = self.conn
+        self._value = v = PL.next_byte(self._value)
+        s = c.alloc(size)
+        PL.fill(s.buf, v)
+        c.send({}, [s])
+        m = c.recv()
+        try:
+            if size:
+                _check_echo(PL.verify(m.buffers[0], size), v)
+        finally:
+            m.release()
+
     def send_one(self, size):
         c = self.conn
         c.send({}, [c.alloc(size)])
+
+    def send_one_data(self, size):
+        c = self.conn
+        self._value = v = PL.next_byte(self._value)
+        s = c.alloc(size)
+        PL.fill(s.buf, v)
+        c.send({}, [s])
 
     def wait_ack(self):
         self.conn.recv().release()
@@ -195,7 +285,7 @@ class MoeTransportPeer(Peer):
 class RawTcpPeer(Peer):
     """A plain socket with TCP_NODELAY; recv_into a preallocated buffer."""
 
-    impl, backend = "raw", "tcp"
+    impl, backend, label = "raw", "tcp", "raw socket"
 
     def prepare(self):
         self._lsock = socket.create_server(("127.0.0.1", 0))
@@ -210,20 +300,29 @@ class RawTcpPeer(Peer):
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return self._sock
 
-    def serve_echo(self, size, n):
+    def serve_echo(self, size, n, data):
         s, v = self._s(), self._buf[:size]
         for _ in range(n):
             _recv_exact(s, v)
+            if data and size:
+                PL.fill(v, PL.next_byte(PL.verify(v, size)))
             s.sendall(v)
 
-    def serve_sink(self, size, n):
+    def serve_sink(self, size, n, data):
         s = self._s()
-        left = size * n
-        while left:
-            k = s.recv_into(self._buf, min(left, self.max_size))
-            if k == 0:
-                raise ConnectionError("peer closed")
-            left -= k
+        if data:  # message by message: each one read and checked whole
+            v = self._buf[:size]
+            for _ in range(n):
+                _recv_exact(s, v)
+                if size:
+                    PL.verify(v, size)
+        else:
+            left = size * n
+            while left:
+                k = s.recv_into(self._buf, min(left, self.max_size))
+                if k == 0:
+                    raise ConnectionError("peer closed")
+                left -= k
         s.sendall(b"k")
 
     def client_setup(self, port):
@@ -237,8 +336,23 @@ class RawTcpPeer(Peer):
         self.sock.sendall(v)
         _recv_exact(self.sock, v)
 
+    def ping_data(self, size):
+        v = self.buf[:size]
+        self._value = b = PL.next_byte(self._value)
+        PL.fill(v, b)
+        self.sock.sendall(v)
+        _recv_exact(self.sock, v)
+        if size:
+            _check_echo(PL.verify(v, size), b)
+
     def send_one(self, size):
         self.sock.sendall(self.buf[:size])
+
+    def send_one_data(self, size):
+        v = self.buf[:size]
+        self._value = b = PL.next_byte(self._value)
+        PL.fill(v, b)
+        self.sock.sendall(v)
 
     def wait_ack(self):
         _recv_exact(self.sock, self.buf[:1])
@@ -249,34 +363,55 @@ class RawTcpPeer(Peer):
 
 
 class PipePeer(Peer):
-    impl, backend = "pipe", "pipe"
+    impl, backend, label = "pipe", "pipe", "multiprocessing.Pipe"
 
     def prepare(self):
         self.conn, self._child_conn = _CTX.Pipe()
 
     def serve_setup(self):
-        self._buf = bytearray(self.max_size)
+        self._buf = bytearray(max(self.max_size, 1))
         return None
 
-    def serve_echo(self, size, n):
+    def serve_echo(self, size, n, data):
         c, b = self._child_conn, self._buf
+        v = memoryview(b)
         for _ in range(n):
             k = c.recv_bytes_into(b)
+            if data and size:
+                PL.fill(v[:k], PL.next_byte(PL.verify(v[:k], size)))
             c.send_bytes(b, 0, k)
 
-    def serve_sink(self, size, n):
+    def serve_sink(self, size, n, data):
+        c, b = self._child_conn, self._buf
+        v = memoryview(b)
         for _ in range(n):
-            self._child_conn.recv_bytes_into(self._buf)
-        self._child_conn.send_bytes(b"k")
+            k = c.recv_bytes_into(b)
+            if data and size:
+                PL.verify(v[:k], size)
+        c.send_bytes(b"k")
 
     def client_setup(self, _):
-        self.buf = bytearray(self.max_size)
+        self.buf = bytearray(max(self.max_size, 1))
+        self.view = memoryview(self.buf)
 
     def ping(self, size):
         self.conn.send_bytes(self.buf, 0, size)
         self.conn.recv_bytes_into(self.buf)
 
+    def ping_data(self, size):
+        self._value = b = PL.next_byte(self._value)
+        PL.fill(self.view[:size], b)
+        self.conn.send_bytes(self.buf, 0, size)
+        k = self.conn.recv_bytes_into(self.buf)
+        if size:
+            _check_echo(PL.verify(self.view[:k], size), b)
+
     def send_one(self, size):
+        self.conn.send_bytes(self.buf, 0, size)
+
+    def send_one_data(self, size):
+        self._value = b = PL.next_byte(self._value)
+        PL.fill(self.view[:size], b)
         self.conn.send_bytes(self.buf, 0, size)
 
     def wait_ack(self):
@@ -284,43 +419,85 @@ class PipePeer(Peer):
 
 
 class ZmqPeer(Peer):
-    """pyzmq PAIR over ipc:// with copy=False on both sides."""
+    """pyzmq PAIR over ``ipc://`` or ``tcp://`` (loopback), copy=False on both sides.
 
-    impl, backend = "pyzmq", "ipc"
+    Streaming in the data figure sends with copy=True: a zero-copy send keeps a reference
+    to the buffer until zmq's I/O thread has sent it, so refilling one buffer while earlier
+    sends are in flight would corrupt them (a ping-pong is safe: the reply proves receipt)."""
+
+    impl = "pyzmq"
+
+    def __init__(self, max_size: int, transport: str = "ipc", **options: Any):
+        super().__init__(max_size, **options)
+        if transport not in ("ipc", "tcp"):
+            raise ValueError(f"pyzmq peer over {transport!r}: ipc or tcp")
+        self.backend = transport
+        self.label = f"pyzmq {transport}"
 
     def prepare(self):
-        self.path = os.path.join(tempfile.gettempdir(), f"moe-bench-zmq-{os.getpid()}-{id(self)}.sock")
+        if self.backend == "ipc":
+            self.path = os.path.join(tempfile.gettempdir(), f"moe-bench-zmq-{os.getpid()}-{id(self)}.sock")
 
     def serve_setup(self):
         import zmq
         self._zctx = zmq.Context()
         self._zs = self._zctx.socket(zmq.PAIR)
-        self._zs.bind(f"ipc://{self.path}")
-        return None
+        if self.backend == "ipc":
+            self._zs.bind(f"ipc://{self.path}")
+            return None
+        port = self._zs.bind_to_random_port("tcp://127.0.0.1")
+        return port
 
-    def serve_echo(self, size, n):
+    def serve_echo(self, size, n, data):
         s = self._zs
+        if not data:
+            for _ in range(n):
+                s.send(s.recv(copy=False), copy=False)
+            return
+        buf = memoryview(bytearray(max(self.max_size, 1)))
         for _ in range(n):
-            s.send(s.recv(copy=False), copy=False)
+            f = s.recv(copy=False)
+            v = PL.verify(f.buffer, size) if size else 0
+            out = buf[:size]
+            if size:
+                PL.fill(out, PL.next_byte(v))
+            s.send(out, copy=False)
 
-    def serve_sink(self, size, n):
+    def serve_sink(self, size, n, data):
         for _ in range(n):
-            self._zs.recv(copy=False)
+            f = self._zs.recv(copy=False)
+            if data and size:
+                PL.verify(f.buffer, size)
         self._zs.send(b"k")
 
-    def client_setup(self, _):
+    def client_setup(self, port):
         import zmq
         self.zctx = zmq.Context()
         self.zs = self.zctx.socket(zmq.PAIR)
-        self.zs.connect(f"ipc://{self.path}")
-        self.buf = memoryview(bytearray(self.max_size))
+        self.zs.connect(f"ipc://{self.path}" if self.backend == "ipc" else f"tcp://127.0.0.1:{port}")
+        self.buf = memoryview(bytearray(max(self.max_size, 1)))
 
     def ping(self, size):
         self.zs.send(self.buf[:size], copy=False)
         self.zs.recv(copy=False)
 
+    def ping_data(self, size):
+        v = self.buf[:size]
+        self._value = b = PL.next_byte(self._value)
+        PL.fill(v, b)
+        self.zs.send(v, copy=False)
+        f = self.zs.recv(copy=False)
+        if size:
+            _check_echo(PL.verify(f.buffer, size), b)
+
     def send_one(self, size):
         self.zs.send(self.buf[:size], copy=False)
+
+    def send_one_data(self, size):
+        v = self.buf[:size]
+        self._value = b = PL.next_byte(self._value)
+        PL.fill(v, b)
+        self.zs.send(v, copy=True)
 
     def wait_ack(self):
         self.zs.recv(copy=False)
@@ -329,40 +506,58 @@ class ZmqPeer(Peer):
         if hasattr(self, "zs"):
             self.zs.close(linger=0)
             self.zctx.term()
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
+        if self.backend == "ipc":
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
 
 
 class ShmFloorPeer(Peer):
     """The bare shared-memory floor: a slot index through a busy-polled ring, no framing,
-    no payload touched. Nothing built on shared memory in Python can beat it."""
+    no header. Nothing built on shared memory in Python can beat it.
 
-    impl, backend = "raw", "shm"
+    Descriptor figure: the slot index alone, no payload touched. Data figure: the client
+    writes slot ``head % RING`` of the shared mapping, the server reads it (and, echoing,
+    writes the reply area, which the client reads)."""
+
+    impl, backend, label = "raw", "shm", "bare slot handoff"
+    descriptor_moves_bytes = False
     RING = 8
+    CTRL = 4096
 
     def prepare(self):
-        self._map = mmap.mmap(-1, 4096)  # MAP_SHARED|MAP_ANONYMOUS: inherited by the fork
-        self.words = memoryview(self._map).cast("Q")  # 0: head (client), 1: tail (server)
+        # MAP_SHARED|MAP_ANONYMOUS, inherited by the fork; pages are only allocated when
+        # touched, so the descriptor figure costs no memory
+        self._map = mmap.mmap(-1, self.CTRL + (self.RING + 1) * self.max_size)
+        self.words = memoryview(self._map)[:64].cast("Q")  # 0: head (client), 1: tail (server), 2: acks
+        mem = memoryview(self._map)
+        self.slots = [mem[self.CTRL + i * self.max_size: self.CTRL + (i + 1) * self.max_size]
+                      for i in range(self.RING)]
+        self.reply = mem[self.CTRL + self.RING * self.max_size:]
 
     def serve_setup(self):
         return None
 
-    def serve_echo(self, size, n):
+    def serve_echo(self, size, n, data):
         w = self.words
         for _ in range(n):
             want = w[1] + 1
             while w[0] < want:
                 pass
+            if data and size:
+                v = PL.verify(self.slots[(want - 1) % self.RING][:size], size)
+                PL.fill(self.reply[:size], PL.next_byte(v))
             w[1] = want
 
-    def serve_sink(self, size, n):
+    def serve_sink(self, size, n, data):
         w = self.words
         for _ in range(n):
             want = w[1] + 1
             while w[0] < want:
                 pass
+            if data and size:
+                PL.verify(self.slots[(want - 1) % self.RING][:size], size)
             w[1] = want
         w[2] = w[2] + 1  # the ack
 
@@ -376,11 +571,33 @@ class ShmFloorPeer(Peer):
         while w[1] < want:
             pass
 
+    def ping_data(self, size):
+        w = self.words
+        want = w[0] + 1
+        self._value = b = PL.next_byte(self._value)
+        if size:
+            PL.fill(self.slots[(want - 1) % self.RING][:size], b)
+        w[0] = want
+        while w[1] < want:
+            pass
+        if size:
+            _check_echo(PL.verify(self.reply[:size], size), b)
+
     def send_one(self, size):
         w = self.words
         while w[0] - w[1] >= self.RING:  # ring full: wait for the consumer
             pass
         w[0] = w[0] + 1
+
+    def send_one_data(self, size):
+        w = self.words
+        while w[0] - w[1] >= self.RING:
+            pass
+        head = w[0]
+        self._value = b = PL.next_byte(self._value)
+        if size:
+            PL.fill(self.slots[head % self.RING][:size], b)
+        w[0] = head + 1
 
     def wait_ack(self):
         w = self.words
@@ -390,6 +607,9 @@ class ShmFloorPeer(Peer):
 
     def client_close(self):
         self.words.release()
+        for s in self.slots:
+            s.release()
+        self.reply.release()
         self._map.close()
 
 
@@ -397,14 +617,18 @@ class RdmaFloorPeer(Peer):
     """The bare pyverbs floor: SENDs between two RC QPs driven from Python, busy-polled
     CQs, one work request built once, no framing, no header, a minimal credit window.
     Nothing in Python over pyverbs can beat it; perftest (C, same device) shows what the
-    device itself does, so ours/raw is the protocol's cost and raw/perftest Python's."""
+    device itself does, so ours/raw is the protocol's cost and raw/perftest Python's.
+    Data figure: the send buffer is written before each SEND and a receive buffer read
+    before its receive is posted again."""
 
-    impl, backend = "raw", "rdma"
+    impl, backend, label = "raw", "rdma", "bare pyverbs loop"
     NRECV = 16  # receives posted: the sender's window
     ACK_EVERY = NRECV // 2
 
     def _open(self) -> dict:
         import numpy as np
+        from transport.rdma_verbs import require_pyverbs
+        require_pyverbs()  # the install hint, not "cannot import name 'E'"
         from transport.rdma_device import pick_device
         from transport.rdma_verbs import E, Verbs
         v = Verbs(pick_device(), nrecv=self.NRECV, sq_depth=2 * self.NRECV)
@@ -424,8 +648,10 @@ class RdmaFloorPeer(Peer):
             v.close()
             raise
         self._v, self._buf, self._wr, self._sge = v, buf, wr, sge
+        self._stride = stride
+        self._sendbuf = memoryview(buf[self.NRECV * stride:])
         self._qp, self._rcq, self._scq = v.qp, v.recv_cq, v.send_cq
-        return {"gid": v.gid, "qpn": v.qpn, "mtu": v.active_mtu}
+        return {"gid": v.gid, "qpn": v.qpn, "mtu": v.active_mtu, "max_msg": v.max_msg}
 
     def _connect(self, peer: dict) -> None:
         # rnr_retry 7 (forever): a receive not re-posted yet is waited for, never an error
@@ -443,7 +669,9 @@ class RdmaFloorPeer(Peer):
                     raise ConnectionError(f"send failed: status {wcs[0].status}")
                 return
 
-    def _recv(self) -> None:
+    def _recv(self, size: int = -1) -> int:
+        """Wait for one receive; with ``size`` >= 0 read (verify) its payload before the
+        buffer is posted again. Returns the payload's value (data) or 0."""
         rcq = self._rcq
         while True:
             n, wcs = rcq.poll(1)
@@ -451,8 +679,12 @@ class RdmaFloorPeer(Peer):
                 wc = wcs[0]
                 if wc.status:
                     raise ConnectionError(f"receive failed: status {wc.status}")
+                v = 0
+                if size > 0:
+                    off = wc.wr_id * self._stride
+                    v = PL.verify(memoryview(self._buf[off:off + wc.byte_len]), size)
                 self._qp.post_recv(self._rwrs[wc.wr_id])
-                return
+                return v
 
     # server (child)
     def serve_setup(self):
@@ -461,14 +693,19 @@ class RdmaFloorPeer(Peer):
     def serve_connect(self, info):
         self._connect(info)
 
-    def serve_echo(self, size, n):
+    def serve_echo(self, size, n, data):
         for _ in range(n):
-            self._recv()
+            if data:
+                v = self._recv(size)
+                if size:
+                    PL.fill(self._sendbuf[:size], PL.next_byte(v))
+            else:
+                self._recv()
             self._send(size)
 
-    def serve_sink(self, size, n):
+    def serve_sink(self, size, n, data):
         for i in range(1, n + 1):
-            self._recv()
+            self._recv(size if data else -1)
             if i % self.ACK_EVERY == 0 or i == n:
                 self._send(0)  # credits back (the last one is the stream's ack)
 
@@ -476,15 +713,25 @@ class RdmaFloorPeer(Peer):
     def client_setup(self, info):
         mine = self._open()
         self._connect(info)
-        self._ctrl.send(("connect", mine, 0))
+        self.command("connect", mine, 0)
         self._reply("done")
+        self.max_message = min(mine["max_msg"], info["max_msg"], self.max_size)
 
     def ping(self, size):
         self._send(size)
         self._recv()
 
-    def command(self, op, size, n):
-        super().command(op, size, n)
+    def ping_data(self, size):
+        self._value = b = PL.next_byte(self._value)
+        if size:
+            PL.fill(self._sendbuf[:size], b)
+        self._send(size)
+        got = self._recv(size)
+        if size:
+            _check_echo(got, b)
+
+    def command(self, op, size, n, data=False):
+        super().command(op, size, n, data)
         self._credits, self._n, self._acks = self.NRECV, n, 0
 
     def send_one(self, size):
@@ -492,6 +739,17 @@ class RdmaFloorPeer(Peer):
             self._recv()
             self._acks += 1
             self._credits += self.ACK_EVERY
+        self._send(size)
+        self._credits -= 1
+
+    def send_one_data(self, size):
+        self._value = b = PL.next_byte(self._value)
+        if self._credits == 0:
+            self._recv()
+            self._acks += 1
+            self._credits += self.ACK_EVERY
+        if size:
+            PL.fill(self._sendbuf[:size], b)
         self._send(size)
         self._credits -= 1
 

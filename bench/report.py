@@ -1,9 +1,22 @@
-"""Progress, ratio tables and plots for the benchmarks (rich and matplotlib if present)."""
+"""`moe-bench transport`'s report: progress (stderr), the perftest-style tables, ratios and
+targets (stdout), plots (matplotlib if present)."""
 from __future__ import annotations
 
 import sys
 import time
 from typing import Any, Optional
+
+from .stats import MARK, footnote
+
+FIGURE_TITLE = {"descriptor": "descriptor round trip (payload not touched)",
+                "data": "data round trip (sender writes, receiver reads every payload byte)"}
+RATIO_DIRECTIONS = {"lat_vs_<peer>": "ours / peer, one-way t_typical (median): lower is better",
+                    "bw_vs_<peer>": "ours / peer, streaming GB/s: higher is better",
+                    "bw_vs_ib_write_bw": "ours / ib_write_bw GB/s: higher is better"}
+# figures quoted from elsewhere, never measured by this tool: printed as references only
+REFERENCES = {"shm": [{"what": "NIXL shared-memory one-way latency", "value_us": 5.0, "approx": True,
+                       "source": "issue 15 (NIXL's published figure); not measured in this run",
+                       "compare": ("moe-transport", "shm", "descriptor", 4096)}]}
 
 
 def human(n: float) -> str:
@@ -15,15 +28,17 @@ def human(n: float) -> str:
 
 
 class Progress:
-    """A progress bar (rich when installed, otherwise one line per step on stderr)."""
+    """A progress bar on stderr (rich when installed and stderr is a terminal, otherwise
+    one line per step)."""
 
     def __init__(self, total: int, what: str = "measuring"):
         self.total, self.done, self.t0 = total, 0, time.monotonic()
         self._rich: Any = None
         try:
+            from rich.console import Console
             from rich.progress import Progress as RP
             if sys.stderr.isatty():
-                self._rich = RP(transient=True)
+                self._rich = RP(transient=True, console=Console(stderr=True))
                 self._rich.start()
                 self._task = self._rich.add_task(what, total=total)
         except ImportError:
@@ -39,92 +54,245 @@ class Progress:
     def close(self) -> None:
         if self._rich is not None:
             self._rich.stop()
+            self._rich = None
 
 
+# -- the numbers -------------------------------------------------------------------------
 def _index(results: list[dict]) -> dict:
-    return {(r["impl"], r["backend"], r["size"]): r for r in results}
+    return {(r["impl"], r["backend"], r.get("figure", "descriptor"), r["size"]): r
+            for r in results if r.get("carried") and "error" not in r}
 
 
-def _peer_key(impl: str, backend: str) -> tuple[str, str]:
-    return (impl, {"pyzmq": "ipc", "pipe": "pipe", "perftest": backend}.get(impl, backend))
+def _table_peers(backend: str) -> list[tuple[str, str]]:
+    from .transport_bench import table_peers
+    return table_peers(backend)
 
 
-def ratios(results: list[dict]) -> dict:
-    """Ours over each peer, per backend and size (latency p50 ratio, bandwidth ratio),
-    and the issue's targets evaluated on them."""
+def ratios(results: list[dict]) -> list[dict]:
+    """Ours over each peer of its table, per backend, figure and size: ``lat_vs_<peer>``
+    (one-way t_typical, lower is better), ``bw_vs_<peer>`` (GB/s, higher is better)."""
     idx = _index(results)
-    out: dict = {"per_size": [], "targets": []}
-    ours = [r for r in results if r["impl"] == "moe-transport"]
-    for r in ours:
-        row = {"backend": r["backend"], "size": r["size"]}
-        for impl in ("raw", "pyzmq", "pipe", "perftest"):
-            p = idx.get((impl, *_peer_key(impl, r["backend"])[1:], r["size"]))
-            if p is not None:
-                row[f"lat_vs_{impl}"] = r["lat_us"]["p50"] / p["lat_us"]["p50"]
-                if p.get("bw_gbps"):
-                    row[f"bw_vs_{impl}"] = r["bw_gbps"] / p["bw_gbps"]
-                if p.get("write_bw_gbps"):
-                    row["bw_vs_ib_write_bw"] = r["bw_gbps"] / p["write_bw_gbps"]
-        out["per_size"].append(row)
-
-    def lat(impl, backend, size):
-        r = idx.get((impl, backend, size))
-        return r["lat_us"]["p50"] if r else None
-
-    def target(name, value, limit, ok):
-        if value is not None:
-            out["targets"].append({"target": name, "value": round(value, 3), "limit": limit, "met": bool(ok(value))})
-
-    for b in {r["backend"] for r in ours}:
-        if b == "shm":
-            a, f = lat("moe-transport", "shm", 4096), lat("raw", "shm", 4096)
-            target("shm 4KiB latency / bare shm floor", a / f if a and f else None, 2.0, lambda v: v <= 2.0)
-            small = lat("moe-transport", "shm", 64)
-            for big in (1 << 20, 16 << 20):
-                x = lat("moe-transport", "shm", big)
-                target(f"shm {human(big)} latency / 64 B latency", x / small if x and small else None, 2.0, lambda v: v <= 2.0)
-            target("shm one-way 4KiB latency (us) vs NIXL shm ~5 us", a, 5.0, lambda v: v < 5.0)
-        if b == "tcp":
-            a, f = lat("moe-transport", "tcp", 4096), lat("raw", "tcp", 4096)
-            target("tcp 4KiB latency / raw socket", a / f if a and f else None, 1.25, lambda v: v <= 1.25)
-            o, p = idx.get(("moe-transport", "tcp", 1 << 20)), idx.get(("raw", "tcp", 1 << 20))
-            target("tcp 1MiB bandwidth / raw socket", o["bw_gbps"] / p["bw_gbps"] if o and p else None, 0.9, lambda v: v >= 0.9)
-        if b == "rdma":
-            for s in (64, 4096):
-                a, f = lat("moe-transport", "rdma", s), lat("perftest", "rdma", s)
-                target(f"rdma {human(s)} latency / ib_send_lat", a / f if a and f else None, 1.5, lambda v: v <= 1.5)
-            o, p = idx.get(("moe-transport", "rdma", 1 << 20)), idx.get(("perftest", "rdma", 1 << 20))
-            target("rdma 1MiB bandwidth / ib_write_bw", o["bw_gbps"] / p["write_bw_gbps"] if o and p else None,
-                   0.7, lambda v: v >= 0.7)
-        zs = [row["lat_vs_pyzmq"] for row in out["per_size"] if row["backend"] == b and "lat_vs_pyzmq" in row]
-        if zs:
-            target(f"{b} worst latency / pyzmq over all sizes", max(zs), 1.0, lambda v: v < 1.0)
+    out = []
+    for (impl, backend, fig, size), r in sorted(idx.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][3])):
+        if impl != "moe-transport":
+            continue
+        row: dict = {"backend": backend, "figure": fig, "size": size}
+        for pimpl, medium in _table_peers(backend)[1:]:
+            p = idx.get((pimpl, medium, fig, size))
+            if p is None:
+                continue
+            row[f"lat_vs_{pimpl}"] = r["lat_us"]["p50"] / p["lat_us"]["p50"] if p["lat_us"]["p50"] else None
+            if p.get("bw_gbps") and r.get("bw_gbps"):
+                row[f"bw_vs_{pimpl}"] = r["bw_gbps"] / p["bw_gbps"]
+            if p.get("write_bw_gbps") and r.get("bw_gbps"):
+                row["bw_vs_ib_write_bw"] = r["bw_gbps"] / p["write_bw_gbps"]
+        out.append(row)
     return out
 
 
-def print_transport(results: list[dict], rat: dict) -> None:
+def targets(results: list[dict]) -> list[dict]:
+    """The issues' targets, evaluated on what this run measured (a benchmark, never a test).
+    shm and rdma follow issue 15's figures; every target says which figure it reads."""
     idx = _index(results)
+    out: list[dict] = []
+
+    def lat(impl, backend, size, fig="descriptor"):
+        r = idx.get((impl, backend, fig, size))
+        return r["lat_us"]["p50"] if r else None
+
+    def bw(impl, backend, size, key="bw_gbps", fig="descriptor"):
+        r = idx.get((impl, backend, fig, size))
+        return r.get(key) if r else None
+
+    def target(name, num, den, limit, op, source):
+        if num is None or not den:
+            return
+        v = num / den
+        out.append({"target": name, "value": round(v, 3), "limit": limit, "op": op,
+                    "met": bool(v <= limit if op == "<=" else v >= limit), "source": source})
+
+    backends = sorted({k[1] for k in idx if k[0] == "moe-transport"})
+    for b in backends:
+        if b == "shm":
+            target("shm descriptor one-way t_typical at 4 KiB / bare slot-index handoff (same run)",
+                   lat("moe-transport", "shm", 4096), lat("raw", "shm", 4096), 10.0, "<=", "issue 15")
+            for big in (1 << 20, 16 << 20):
+                target(f"shm descriptor t_typical at {human(big)} / at 64 B",
+                       lat("moe-transport", "shm", big), lat("moe-transport", "shm", 64), 1.2, "<=", "issue 15")
+        if b == "tcp":
+            target("tcp descriptor t_typical at 4 KiB / raw socket", lat("moe-transport", "tcp", 4096),
+                   lat("raw", "tcp", 4096), 1.25, "<=", "transport targets")
+            target("tcp descriptor bandwidth at 1 MiB / raw socket", bw("moe-transport", "tcp", 1 << 20),
+                   bw("raw", "tcp", 1 << 20), 0.9, ">=", "transport targets")
+        if b == "rdma":
+            for s in (64, 4096):
+                target(f"rdma descriptor t_typical at {human(s)} / bare pyverbs loop",
+                       lat("moe-transport", "rdma", s), lat("raw", "rdma", s), 2.0, "<=", "issue 15")
+            target("rdma bandwidth at 1 MiB / ib_write_bw (one run; issue 15 asks the median of five)",
+                   bw("moe-transport", "rdma", 1 << 20), bw("perftest", "rdma", 1 << 20, "write_bw_gbps"),
+                   0.9, ">=", "issue 15")
+        zs = [lat("moe-transport", b, s) / lat("pyzmq", _zmq(b), s) for s in sorted({k[3] for k in idx})
+              if lat("moe-transport", b, s) and lat("pyzmq", _zmq(b), s)]
+        if zs:
+            out.append({"target": f"{b} descriptor worst t_typical / pyzmq over all sizes", "value": round(max(zs), 3),
+                        "limit": 1.0, "op": "<", "met": bool(max(zs) < 1.0), "source": "transport targets"})
+    return out
+
+
+def _zmq(backend: str) -> str:
+    from .transport_bench import zmq_medium
+    return zmq_medium(backend)
+
+
+def references(results: list[dict]) -> list[dict]:
+    """Figures quoted from elsewhere, each beside this run's comparable measurement; they
+    were NOT measured here and carry no verdict."""
+    idx = _index(results)
+    out = []
     for b in sorted({r["backend"] for r in results if r["impl"] == "moe-transport"}):
-        peer_impls = [i for i in ("raw", "pyzmq", "pipe", "perftest") if any(k[0] == i for k in idx)]
-        print(f"\n== moe-transport over {b}: latency = half round trip (us), bandwidth GB/s")
-        head = f"{'size':>9} {'p50':>8} {'p99':>8} {'GB/s':>7}"
-        for i in peer_impls:
-            head += f" | {i + ' p50':>10} {'ratio':>6} {i + ' GB/s':>10} {'ratio':>6}"
-        print(head)
-        for r in sorted((r for r in results if r["impl"] == "moe-transport" and r["backend"] == b), key=lambda r: r["size"]):
-            line = f"{human(r['size']):>9} {r['lat_us']['p50']:8.1f} {r['lat_us']['p99']:8.1f} {r['bw_gbps']:7.2f}"
-            for i in peer_impls:
-                p = idx.get((i, *_peer_key(i, b)[1:], r["size"]))
-                if p is None:
-                    line += f" | {'-':>10} {'-':>6} {'-':>10} {'-':>6}"
-                else:
-                    line += (f" | {p['lat_us']['p50']:10.1f} {r['lat_us']['p50'] / p['lat_us']['p50']:6.2f}"
-                             f" {p['bw_gbps']:10.2f} {r['bw_gbps'] / p['bw_gbps'] if p['bw_gbps'] else 0:6.2f}")
-            print(line)
-    if rat.get("targets"):
-        print("\n== targets (a benchmark, never a test)")
-        for t in rat["targets"]:
-            print(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['value']} (limit {t['limit']})")
+        for ref in REFERENCES.get(b, []):
+            r = idx.get(ref["compare"])
+            out.append({**{k: v for k, v in ref.items() if k != "compare"}, "measured": False,
+                        "this_run": None if r is None else {"impl": ref["compare"][0], "figure": ref["compare"][2],
+                                                            "size": ref["compare"][3],
+                                                            "one_way_us": r["lat_us"]["p50"]}})
+    return out
+
+
+def transport_summary(doc: dict) -> None:
+    """Fill the doc's ratios, targets and references from its results."""
+    res = doc["results"]
+    doc["ratios"] = {"directions": RATIO_DIRECTIONS, "per_size": ratios(res)}
+    doc["targets"] = targets(res)
+    doc["references"] = references(res)
+
+
+# -- printing ----------------------------------------------------------------------------
+def _settings_lines(doc: dict) -> list[str]:
+    pv, st = doc["provenance"], doc["settings"]
+    commit = pv.get("commit")
+    commit = "not a git checkout" if not commit else f"commit {commit[:12]}{' (local changes)' if pv.get('dirty') else ''}"
+    pin = st.get("pinning")
+    aff = st.get("affinity")
+    pin_s = (f"client on CPU {pin['client_cpu']}, echo servers on CPU {pin['server_cpu']}" if pin else
+             f"none (every process may run on CPUs {','.join(map(str, aff)) if aff else '?'})")
+    lines = [f"moe-bench transport · moe-transport {pv.get('version')} · {commit} · {pv.get('date_utc')}",
+             f" command         : {pv.get('command')}",
+             f" host            : {pv.get('host')} · kernel {pv.get('kernel')} · {pv.get('cpu_model')} x{pv.get('cpus')}"
+             f" · load average {pv.get('loadavg_at_start')}",
+             f" python          : {pv.get('python')} · numpy {pv.get('numpy')}",
+             f" backends        : {', '.join(st['backends'])}",
+             f" sizes           : {', '.join(str(s) for s in st['sizes'])} bytes",
+             f" figures         : {', '.join(st['figures'])}",
+             f" iterations      : {st['iterations_rule']}",
+             f" warm-up         : {st['warmup_rule']}",
+             f" streaming       : {st['stream']['bursts']} bursts of {st['stream']['messages']} messages; "
+             f"{st['stream']['bandwidth']}",
+             f" slot size       : {st['slot_size'] if st.get('slot_size') else 'the largest size'} bytes x {st['nslots']} slots "
+             f"(moe-transport)",
+             f" CPU pinning     : {pin_s}"]
+    for k, v in st["spin"].items():
+        lines.append(f" spin ({k}){' ' * max(1, 9 - len(k))}: {v}")
+    lines.append(f" latency         : {st['latency']}")
+    return lines
+
+
+def _f(v: Optional[float], width: int, ok: bool = True) -> str:
+    if v is None:
+        return f"{'-':>{width}}"
+    s = f"{v:.2f}" + ("" if ok else MARK)
+    return f"{s:>{width}}"
+
+
+def _ratio(v: Optional[float], width: int) -> str:
+    return f"{'-':>{width}}" if v is None else f"{f'{v:.2f}x':>{width}}"
+
+
+def print_transport(doc: dict, out=None) -> None:
+    out = out or sys.stdout
+    results = doc["results"]
+    idx = {(r["impl"], r["backend"], r.get("figure", "descriptor"), r["size"]): r for r in results}
+    pr = lambda s="": print(s, file=out)  # noqa: E731
+    for line in _settings_lines(doc):
+        pr(line)
+    if doc.get("interrupted"):
+        pr(" status          : INTERRUPTED: the tables hold what was measured before")
+    marked = nobw = False
+    sizes = doc["settings"]["sizes"]
+    tables = [b for b in doc["settings"]["backends"] if any(r["backend"] == b and r["impl"] == "moe-transport"
+                                                             for r in results)]
+    w_lab = 22
+    for b in tables:
+        rows = _table_peers(b)
+        for fig in doc["settings"]["figures"]:
+            pr()
+            pr(f"== {b} · {FIGURE_TITLE[fig]} " + "=" * max(3, 100 - len(b) - len(FIGURE_TITLE[fig])))
+            pr(f" {'#bytes':>9}  {'implementation':<{w_lab}} {'#iter':>6} {'t_min':>9} {'t_typical':>9} {'t_avg':>9}"
+               f" {'t_max':>9} {'t_stdev':>9} {'99%':>9} {'99.9%':>9} {'BW':>9} {'MsgRate':>9}"
+               f"   {'ours/this t_typical':>20}   {'ours/this BW':>18}")
+            pr(f" {'':>9}  {'':<{w_lab}} {'':>6} {'[usec]':>9} {'[usec]':>9} {'[usec]':>9} {'[usec]':>9} {'[usec]':>9}"
+               f" {'[usec]':>9} {'[usec]':>9} {'[GB/s]':>9} {'[Mmsg/s]':>9}"
+               f"   {'(lower is better)':>20}   {'(higher is better)':>18}")
+            for size in sizes:
+                ours = idx.get(("moe-transport", b, fig, size))
+                for impl, medium in rows:
+                    r = idx.get((impl, medium, fig, size))
+                    if r is None:
+                        continue
+                    label = r.get("label") or impl
+                    if impl in ("pyzmq",):
+                        label = f"pyzmq {medium}"
+                    head = f" {size:>9}  {label:<{w_lab}}"
+                    if "error" in r:
+                        pr(f"{head} failed: {r['error'][:100]}")
+                        continue
+                    if not r.get("carried", True):
+                        pr(f"{head} {r['note']}")
+                        continue
+                    L = r["lat_us"]
+                    rel = L.get("reliable", {})
+                    ok99, ok999 = rel.get("p99", True), rel.get("p999", True)
+                    marked |= not (ok99 and ok999)
+                    nobw |= r.get("bw_gbps") is None and "bw_note" in r
+                    bw = _f(r.get("bw_gbps"), 9) if "bw_note" not in r else f"{'no data':>9}"
+                    rate = r.get("msg_rate")
+                    line = (f"{head} {r['iters']:>6} {_f(L['min'], 9)} {_f(L['p50'], 9)} {_f(L['avg'], 9)}"
+                            f" {_f(L.get('max'), 9)} {_f(L.get('stdev'), 9)} {_f(L['p99'], 9, ok99)}"
+                            f" {_f(L['p999'], 9, ok999)} {bw} {_f(rate / 1e6 if rate else None, 9)}")
+                    if impl != "moe-transport":
+                        ok = ours is not None and ours.get("carried", True) and "error" not in ours
+                        lr = ours["lat_us"]["p50"] / L["p50"] if ok and L["p50"] else None
+                        br = ours["bw_gbps"] / r["bw_gbps"] if ok and ours.get("bw_gbps") and r.get("bw_gbps") else None
+                        line += f"   {_ratio(lr, 20)}   {_ratio(br, 18)}"
+                        if impl == "perftest" and ok and r.get("write_bw_gbps") and ours.get("bw_gbps"):
+                            line += f"   (ib_write_bw {r['write_bw_gbps']:.2f} GB/s: ours/this "\
+                                    f"{ours['bw_gbps'] / r['write_bw_gbps']:.2f}x)"
+                    pr(line)
+            if fig == "data" and b == "rdma":
+                pr("  (perftest appears in the descriptor figure only: its payload is moved by the NIC, "
+                   "never read or written by a CPU)")
+    if marked or nobw:
+        pr()
+    if marked:
+        pr(footnote({"99%": 99, "99.9%": 99.9}))
+    if nobw:
+        pr("no data: in the descriptor figure a shared-memory slot index is passed and no payload byte moves, "
+           "so no bandwidth is claimed (MsgRate stands; the data figure gives the GB/s)")
+    if doc.get("targets"):
+        pr()
+        pr("== targets (a benchmark, never a test; ratios of figures measured in this run)")
+        for t in doc["targets"]:
+            pr(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['value']} (target {t['op']} {t['limit']}; "
+               f"{t['source']})")
+    if doc.get("references"):
+        pr()
+        pr("== references (NOT measured in this run: quoted figures, for orientation only, no verdict)")
+        for ref in doc["references"]:
+            here = ref.get("this_run")
+            cmp_ = (f"; this run's moe-transport {human(here['size'])} {here['figure']} one-way t_typical: "
+                    f"{here['one_way_us']:.2f} us" if here else "")
+            pr(f"  reference: {ref['what']} {'~' if ref.get('approx') else ''}{ref['value_us']:g} us "
+               f"({ref['source']}){cmp_}")
 
 
 def plot_transport(results: list[dict], path: str) -> Optional[str]:
@@ -133,23 +301,36 @@ def plot_transport(results: list[dict], path: str) -> Optional[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("note: matplotlib is not installed; no plot")
+        print("note: matplotlib is not installed; no plot", file=sys.stderr)
         return None
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for key in sorted({(r["impl"], r["backend"]) for r in results}):
-        rs = sorted((r for r in results if (r["impl"], r["backend"]) == key), key=lambda r: r["size"])
-        xs = [r["size"] for r in rs]
-        style = "-o" if key[0] == "moe-transport" else "--."
-        ax1.plot(xs, [r["lat_us"]["p50"] for r in rs], style, label=f"{key[0]} {key[1]}")
-        ax2.plot(xs, [r["bw_gbps"] for r in rs], style, label=f"{key[0]} {key[1]}")
-    for ax, title in ((ax1, "latency p50 (us, half RTT)"), (ax2, "streaming bandwidth (GB/s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("message size (bytes)")
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-    ax1.legend(fontsize=8)
+    ok = [r for r in results if r.get("carried") and "error" not in r]
+    figs = [f for f in FIGURE_TITLE if any(r.get("figure") == f for r in ok)]
+    if not figs:
+        print("note: nothing measured; no plot", file=sys.stderr)
+        return None
+    fig, axes = plt.subplots(len(figs), 2, figsize=(12, 4.5 * len(figs)), squeeze=False)
+    for row, figure in enumerate(figs):
+        ax1, ax2 = axes[row]
+        rs_fig = [r for r in ok if r.get("figure") == figure]
+        for key in sorted({(r["impl"], r["backend"]) for r in rs_fig}):
+            rs = sorted((r for r in rs_fig if (r["impl"], r["backend"]) == key), key=lambda r: r["size"])
+            xs = [r["size"] for r in rs]
+            style = "-o" if key[0] == "moe-transport" else "--."
+            name = f"{rs[0].get('label', key[0])} ({key[1]})"
+            ax1.plot(xs, [r["lat_us"]["p50"] for r in rs], style, label=name)
+            bw = [(r["size"], r["bw_gbps"]) for r in rs if r.get("bw_gbps")]
+            if bw:
+                ax2.plot([x for x, _ in bw], [y for _, y in bw], style, label=name)
+        for ax, title in ((ax1, "one-way t_typical (usec, half RTT)"), (ax2, "streaming bandwidth (GB/s)")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("message size (bytes)")
+            ax.set_title(f"{figure}: {title}", fontsize=10)
+            ax.grid(True, which="both", alpha=0.3)
+        ax1.legend(fontsize=7)
+    fig.suptitle("moe-bench transport: descriptor (payload untouched) and data (every byte written and read)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    plt.close(fig)
+    print(f"wrote {path}", file=sys.stderr)
     return path

@@ -11,9 +11,12 @@ target. A consumer that falls behind finds its next deadlines already due and ca
         submit(a)
 
 Gaps: :func:`constant_gaps`, :func:`poisson_gaps` (exponential), :func:`gamma_gaps` (the
-burstiness knob is the coefficient of variation: 1 is Poisson, >1 burstier, <1 more
-regular). :func:`ramp_steps` / :func:`ramp_arrivals` give a staircase of rates, each step a
-fixed duration. :func:`queue_growing` and :func:`find_knee` judge over-saturation.
+burstiness is vLLM's: the gamma SHAPE, 1 is Poisson, lower is burstier, higher more
+regular; the gaps' coefficient of variation is 1/sqrt(burstiness), and
+:func:`burstiness_for_cv` converts a CV into it). :func:`ramp_steps` /
+:func:`ramp_arrivals` give a staircase of rates, each step a fixed duration.
+:func:`queue_growing`, :class:`StepVerdict`, :func:`find_knee` and :func:`knee_of` judge
+over-saturation.
 """
 from __future__ import annotations
 
@@ -82,18 +85,31 @@ def poisson_gaps(rate: float, rng: np.random.Generator, chunk: int = 4096) -> It
 
 
 def gamma_gaps(rate: float, burstiness: float, rng: np.random.Generator, chunk: int = 4096) -> Iterator[float]:
-    """Gamma gaps with mean 1/rate and coefficient of variation ``burstiness``
-    (shape k = 1/cv^2, scale = 1/(k rate)); burstiness 1 is Poisson."""
+    """Gamma gaps with mean 1/rate and shape ``burstiness`` (vLLM's definition: scale
+    1/(rate * burstiness)). Burstiness 1 is Poisson (exponential gaps), lower is burstier,
+    higher more regular: the gaps' coefficient of variation is 1/sqrt(burstiness)."""
     rate = _check_rate(rate)
-    if not burstiness > 0:
-        raise ValueError(f"burstiness must be > 0, got {burstiness}")
-    k = 1.0 / (burstiness * burstiness)
-    scale = 1.0 / (k * rate)
+    if not burstiness > 0 or math.isinf(burstiness):
+        raise ValueError(f"burstiness must be a positive finite number, got {burstiness}")
+    scale = 1.0 / (burstiness * rate)
     while True:
-        yield from rng.gamma(k, scale, chunk).tolist()
+        yield from rng.gamma(burstiness, scale, chunk).tolist()
+
+
+def burstiness_for_cv(cv: float) -> float:
+    """The gamma shape whose gaps have coefficient of variation ``cv`` (1/cv^2)."""
+    if not cv > 0 or math.isinf(cv):
+        raise ValueError(f"a coefficient of variation must be a positive finite number, got {cv}")
+    return 1.0 / (cv * cv)
+
+
+def cv_of_burstiness(burstiness: float) -> float:
+    """The gaps' coefficient of variation for a gamma shape (1/sqrt(burstiness))."""
+    return 1.0 / math.sqrt(burstiness)
 
 
 def make_gaps(kind: str, rate: float, rng: np.random.Generator, burstiness: float = 1.0) -> Iterator[float]:
+    """Gaps of ``kind`` at ``rate``; ``burstiness`` (the gamma shape) shapes gamma gaps only."""
     if kind == "constant":
         return constant_gaps(rate)
     if kind == "poisson":
@@ -220,20 +236,31 @@ def queue_growing(sched_t: Sequence[float], delay_s: Sequence[float], *, min_slo
 
 @dataclass
 class StepVerdict:
+    """One ramp step judged: within the SLO when its queueing delay does not grow, its p99
+    TPOT is within the SLO, and no request failed (a step whose requests fail is not
+    carrying that rate, whatever the latency of the others)."""
     rate: float
     p99_tpot_ms: float
     queue_growing: bool
     slo_tpot_ms: float
+    failed: int = 0
+    requests: Optional[int] = None
 
     @property
     def ok(self) -> bool:
-        return not self.queue_growing and self.p99_tpot_ms <= self.slo_tpot_ms
+        return (not self.queue_growing and self.p99_tpot_ms <= self.slo_tpot_ms and self.failed == 0
+                and self.requests != 0)
 
     @property
     def why(self) -> str:
         if self.ok:
             return "within SLO"
         reasons = []
+        if self.requests == 0:
+            reasons.append("no request was sent")
+        if self.failed:
+            of = f" of {self.requests}" if self.requests is not None else ""
+            reasons.append(f"{self.failed}{of} requests failed")
         if self.queue_growing:
             reasons.append("queueing delay grows")
         if self.p99_tpot_ms > self.slo_tpot_ms:
@@ -242,11 +269,33 @@ class StepVerdict:
 
 
 def find_knee(verdicts: Sequence[StepVerdict]) -> Optional[float]:
-    """The highest rate reached within the SLO before the first saturated step (None when
-    even the first step is saturated)."""
-    knee = None
-    for v in verdicts:
-        if not v.ok:
-            break
-        knee = v.rate if knee is None else max(knee, v.rate)
-    return knee
+    """The knee: the highest rate within the SLO below the first saturated step. None when
+    even the first step saturated, and None when NO step saturated (the top step is then a
+    lower bound, not a knee: see :func:`knee_of`)."""
+    return knee_of(verdicts)["rate"]
+
+
+def knee_of(verdicts: Sequence[StepVerdict]) -> dict:
+    """The ramp's verdict on its knee, for the report and the JSON:
+
+    - reached: ``rate`` the highest rate within the SLO, ``saturated_at`` the first step
+      that was not (and ``why``);
+    - not reached: no step saturated, so the knee is at least the top rate measured
+      (``at_least``), never the top step itself;
+    - below the ramp: even the first step saturated (``below``)."""
+    vs = list(verdicts)
+    if not vs:
+        return {"reached": False, "rate": None, "at_least": None, "below": None, "saturated_at": None,
+                "text": "no step measured"}
+    bad = next((i for i, v in enumerate(vs) if not v.ok), None)
+    if bad is None:
+        top = max(v.rate for v in vs)
+        return {"reached": False, "rate": None, "at_least": top, "below": None, "saturated_at": None,
+                "text": f"knee not reached (>= {top:g} req/s): no step saturated"}
+    if bad == 0:
+        return {"reached": False, "rate": None, "at_least": None, "below": vs[0].rate, "saturated_at": vs[0].rate,
+                "why": vs[0].why, "text": f"knee below the ramp (< {vs[0].rate:g} req/s): the first step saturated "
+                                          f"({vs[0].why})"}
+    knee = max(v.rate for v in vs[:bad])
+    return {"reached": True, "rate": knee, "at_least": None, "below": None, "saturated_at": vs[bad].rate,
+            "why": vs[bad].why, "text": f"knee {knee:g} req/s (saturated at {vs[bad].rate:g} req/s: {vs[bad].why})"}

@@ -85,7 +85,7 @@ class MoeTransport(System):
     @classmethod
     def start(cls, backend: str, *, workers: int, n_experts: int, top_k: int, d_model: int, d_ff: int,
               seed: int, max_batch_tokens: int, max_wait_ms: float, capacity_factor: Optional[float] = None,
-              max_inflight_rounds: int = 2, timeout: float = 60.0) -> "MoeTransport":
+              max_inflight_rounds: int = 2, timeout: float = 60.0, dtype: str = "float32") -> "MoeTransport":
         """A moe-gateway with ``workers`` local workers on ``backend`` (its own processes)."""
         import sys
 
@@ -96,7 +96,7 @@ class MoeTransport(System):
                 "--backend", backend, "--n-experts", str(n_experts), "--top-k", str(top_k),
                 "--d-model", str(d_model), "--d-ff", str(d_ff), "--seed", str(seed),
                 "--max-batch-tokens", str(max_batch_tokens), "--max-wait-ms", str(max_wait_ms),
-                "--max-inflight-rounds", str(max_inflight_rounds)]
+                "--max-inflight-rounds", str(max_inflight_rounds), "--dtype", dtype]
         if capacity_factor:
             argv += ["--capacity-factor", str(capacity_factor)]
         proc, url = spawn_service(argv, timeout=timeout, env=blas_env(1))

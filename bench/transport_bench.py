@@ -1,89 +1,171 @@
 """`moe-bench transport`: perftest-style latency and bandwidth, ours beside the raw peers.
 
-Latency is half the round trip (ping-pong against an echo server in another process);
-bandwidth streams a window of messages one way until the receiver acknowledges the last.
-Implementations are interleaved per size so machine noise hits them alike.
+Latency is half the round trip (ping-pong against an echo server in another process,
+perftest's convention), reported as perftest does: iterations, t_min, t_typical (the
+median), t_avg, t_max, t_stdev, 99% and 99.9% percentiles, in usec. Bandwidth streams a
+window of messages one way until the receiver acknowledges the last.
+
+Two figures per size for every implementation:
+
+- descriptor: the message is passed and its payload never touched (on shared memory, a
+  slot index: the same at 64 B as at 16 MiB);
+- data: the sender writes every payload byte and the receiver reads (and checks) every
+  payload byte, both ways, with the same code for every implementation (bench.payload).
+
+Implementations are interleaved per size so machine noise hits them alike. A size larger
+than an implementation's largest message is reported as not carried and the run goes on;
+the JSON (with provenance) is rewritten after every size, so an interrupted run keeps
+what it measured. Progress goes to stderr, the report to stdout.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
+import sys
 import time
 import uuid
+from typing import Optional
 
 import numpy as np
 
 from . import peers, report
+from .provenance import provenance, write_json_atomic
+from .stats import min_samples
 
 DEFAULT_SIZES = [64, 256, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 QUICK_SIZES = [64, 4 << 10, 1 << 20]
+FIGURES = ("descriptor", "data")
+BURSTS = 3
+BURST_BYTES = 64 << 20
+SHARED = ("pipe", "pyzmq")  # peers measured once per medium and shown beside every backend
 
 
 def parse_size(s: str) -> int:
-    s = s.strip().upper().removesuffix("B")
+    s = s.strip().upper().removesuffix("B").removesuffix("I")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    return int(s[:-1] if mult > 1 else s) * mult
+    n = int(s[:-1] if mult > 1 else s) * mult
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"a size is >= 0 bytes, got {s}")
+    return n
+
+
+def _sizes(s: str) -> list[int]:
+    """Sizes in the order given (the run measures them so), each once."""
+    try:
+        return list(dict.fromkeys(parse_size(x) for x in s.split(",") if x.strip()))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"sizes like 64,4K,1M: {e}") from None
+
+
+def _figures(s: str) -> list[str]:
+    out = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [x for x in out if x not in FIGURES]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"figures: a comma-separated subset of {','.join(FIGURES)}")
+    return [f for f in FIGURES if f in out]
+
+
+def _pin(s: str) -> tuple[int, int]:
+    try:
+        c, srv = (int(x) for x in s.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError("--pin CLIENT_CPU,SERVER_CPU, e.g. 0,1") from None
+    return c, srv
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", action="append", choices=["tcp", "shm", "rdma"],
                    help="repeatable; default tcp and shm")
-    p.add_argument("--sizes", type=lambda s: [parse_size(x) for x in s.split(",")],
-                   help="comma-separated, e.g. 64,4K,1M (default 64 B .. 16 MiB)")
-    p.add_argument("--iters", type=int, default=2000, help="round trips per small size")
+    p.add_argument("--sizes", type=_sizes,
+                   help="message sizes in bytes, comma-separated, K/M suffixes: e.g. 64,4K,1M "
+                        "(default 64 B .. 16 MiB; --quick: 64,4K,1M)")
+    p.add_argument("--iters", type=int, default=2000,
+                   help="round trips per size up to 64 KiB, scaled down above (at least 20); default 2000, "
+                        "--quick at most 300")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed round trips before each size (default: 10%% of its iterations, at least 5)")
+    p.add_argument("--figures", type=_figures, default=list(FIGURES),
+                   help="descriptor (payload not touched), data (every payload byte written and read), "
+                        "or both (default descriptor,data)")
+    p.add_argument("--stream-count", type=int, default=None, metavar="N",
+                   help="messages per streaming burst (default: 64 MiB / size, 50 .. 5000)")
+    p.add_argument("--slot-size", type=parse_size, default=None,
+                   help="moe-transport's slot size in bytes, i.e. its largest message (default: the largest "
+                        "size measured); larger sizes are reported as not carried")
+    p.add_argument("--pin", type=_pin, default=None, metavar="CLIENT,SERVER",
+                   help="pin the timed client to one CPU and every echo server to another (default: no pinning)")
     p.add_argument("--no-peers", action="store_true", help="measure moe-transport only")
     p.add_argument("--quick", action="store_true", help="a short sweep for smoke runs")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG of latency and bandwidth vs size")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON (rewritten after every size)")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of latency and bandwidth vs size, both figures")
 
 
 def _iters(size: int, iters: int) -> int:
     return max(20, min(iters, iters * (64 << 10) // max(size, 1)))
 
 
-def _count(size: int) -> int:
-    return max(50, min(5000, (64 << 20) // max(size, 1)))
+def _warmup(n: int, warmup: Optional[int]) -> int:
+    return warmup if warmup is not None else max(5, n // 10)
+
+
+def _count(size: int, count: Optional[int] = None) -> int:
+    return count if count else max(50, min(5000, BURST_BYTES // max(size, 1)))
 
 
 def lat_stats(samples_us: np.ndarray) -> dict:
-    p = np.percentile(samples_us, [50, 99, 99.9])
-    return {"min": float(samples_us.min()), "p50": float(p[0]), "avg": float(samples_us.mean()),
-            "p99": float(p[1]), "p999": float(p[2])}
+    """perftest's latency columns from one-way samples (usec): t_min, t_typical (median,
+    ``p50``), t_avg, t_max, t_stdev (sample standard deviation), 99% and 99.9%; with the
+    sample count and whether it supports each tail percentile."""
+    a = np.asarray(samples_us, float)
+    n = len(a)
+    if n == 0:
+        raise ValueError("no samples")
+    p = np.percentile(a, [50, 99, 99.9])
+    return {"min": float(a.min()), "p50": float(p[0]), "avg": float(a.mean()), "max": float(a.max()),
+            "stdev": float(a.std(ddof=1)) if n > 1 else 0.0, "p99": float(p[1]), "p999": float(p[2]),
+            "samples": n, "reliable": {"p99": n >= min_samples(99), "p999": n >= min_samples(99.9)}}
 
 
-def measure(peer: peers.Peer, size: int, iters: int) -> dict:
-    warm = max(10, iters // 10)
+def measure(peer: peers.Peer, size: int, iters: int, figure: str = "descriptor",
+            warmup: Optional[int] = None, stream_count: Optional[int] = None) -> dict:
+    data = figure == "data"
     n = _iters(size, iters)
-    peer.command("ping", size, warm + n)
+    warm = _warmup(n, warmup)
+    ping = peer.ping_data if data else peer.ping
+    send = peer.send_one_data if data else peer.send_one
+    peer.command("ping", size, warm + n, data)
     for _ in range(warm):
-        peer.ping(size)
+        ping(size)
     samples = np.empty(n)
     clock = time.perf_counter
     for i in range(n):
         t0 = clock()
-        peer.ping(size)
+        ping(size)
         samples[i] = clock() - t0
     peer.finish()
     lat = lat_stats(samples * 1e6 / 2.0)  # perftest convention: half the round trip
 
-    count = _count(size)
-    rates = []
-    for _ in range(3):
-        peer.command("stream", size, count)
+    count = _count(size, stream_count)
+    dts = []
+    for _ in range(BURSTS):
+        peer.command("stream", size, count, data)
         t0 = clock()
         for _ in range(count):
-            peer.send_one(size)
+            send(size)
         peer.wait_ack()
-        dt = clock() - t0
+        dts.append(clock() - t0)
         peer.finish()
-        rates.append(dt)
-    dts = np.array(rates)
-    return {"impl": peer.impl, "backend": peer.backend, "size": size, "lat_us": lat,
-            "bw_gbps": float(size * count / dts.mean() / 1e9),
-            "bw_peak_gbps": float(size * count / dts.min() / 1e9),
-            "msg_rate": float(count / dts.mean()), "iters": n, "stream_count": count}
+    d = np.array(dts)
+    rec = {"impl": peer.impl, "backend": peer.backend, "label": peer.label, "figure": figure, "size": size,
+           "carried": True, "iters": n, "warmup": warm, "lat_us": lat,
+           "bw_gbps": float(size * count / d.mean() / 1e9), "bw_peak_gbps": float(size * count / d.min() / 1e9),
+           "msg_rate": float(count / d.mean()), "stream_count": count, "bursts": BURSTS}
+    if not data and not peer.descriptor_moves_bytes:
+        # a slot index passed around moves no payload: size x messages/s would be a bandwidth
+        # nothing achieved (the old "344 GB/s"); the message rate stands, the data figure has the GB/s
+        rec.update(bw_gbps=None, bw_peak_gbps=None,
+                   bw_note="no payload byte moves in the descriptor figure: see msg_rate, and the data figure")
+    return rec
 
 
 def _url(backend: str) -> str:
@@ -98,76 +180,212 @@ def _url(backend: str) -> str:
     return f"rdma://{ip}:0"
 
 
-def make_peers(backend: str, max_size: int, with_peers: bool) -> list[peers.Peer]:
-    ours: list[peers.Peer] = [peers.MoeTransportPeer(max_size, _url(backend))]
+def zmq_medium(backend: str) -> str:
+    """pyzmq beside a backend: over tcp:// for the network backends, ipc:// beside shm."""
+    return "ipc" if backend == "shm" else "tcp"
+
+
+def table_peers(backend: str) -> list[tuple[str, str]]:
+    """(impl, medium) of the rows shown in a backend's table, ours first."""
+    rows = [("moe-transport", backend), ("raw", backend), ("pyzmq", zmq_medium(backend)), ("pipe", "pipe")]
+    if backend == "rdma":
+        rows.append(("perftest", "rdma"))
+    return rows
+
+
+def make_peers(backend: str, max_size: int, with_peers: bool, *, slot_size: Optional[int] = None,
+               server_cpu: Optional[int] = None) -> list[peers.Peer]:
+    ours: list[peers.Peer] = [peers.MoeTransportPeer(max_size, _url(backend), slot_size=slot_size,
+                                                     server_cpu=server_cpu)]
     if not with_peers:
         return ours
     others: list[peers.Peer] = []
-    if backend == "tcp":
-        others.append(peers.RawTcpPeer(max_size))
-    elif backend == "shm":
-        others.append(peers.ShmFloorPeer(max_size))
-    elif backend == "rdma":
-        others.append(peers.RdmaFloorPeer(max_size))
+    floor = {"tcp": peers.RawTcpPeer, "shm": peers.ShmFloorPeer, "rdma": peers.RdmaFloorPeer}[backend]
+    others.append(floor(max_size, server_cpu=server_cpu))
     try:
         import zmq  # noqa: F401
-        others.append(peers.ZmqPeer(max_size))
+        others.append(peers.ZmqPeer(max_size, transport=zmq_medium(backend), server_cpu=server_cpu))
     except ImportError:
-        print("note: pyzmq is not installed here; its rows are left out")
-    others.append(peers.PipePeer(max_size))
+        print("note: pyzmq is not installed here; its rows are left out", file=sys.stderr)
+    others.append(peers.PipePeer(max_size, server_cpu=server_cpu))
     return ours + others
 
 
-def _perftest_row(size: int, iters: int) -> dict:
+def spin_settings(backends: list[str]) -> dict:
+    """How each implementation waits for a message (the figures depend on it)."""
+    out = {}
+    if "shm" in backends:
+        try:
+            from transport import shm
+            out["shm"] = (f"moe-transport busy-polls {shm.SPIN * 1e6:g} us, then sleeps (the spin adapts "
+                          f"down to {shm.SPIN_MIN * 1e6:g} us); the bare slot handoff busy-polls without limit")
+        except Exception as e:  # pragma: no cover - shm always imports here
+            out["shm"] = f"unknown ({type(e).__name__})"
+    if "tcp" in backends:
+        out["tcp"] = "blocking poll(2) (no spin) for moe-transport and the raw socket"
+    if "rdma" in backends:
+        try:
+            from transport.rdma import DEFAULT_SPIN
+            out["rdma"] = (f"moe-transport busy-polls the CQ {DEFAULT_SPIN * 1e6:g} us, then sleeps on the "
+                           f"completion channel; the bare pyverbs loop busy-polls without limit")
+        except Exception as e:
+            out["rdma"] = f"unknown ({type(e).__name__}: {e})"
+    out["peers"] = "pyzmq and multiprocessing.Pipe block in the kernel (no spin)"
+    return out
+
+
+def _perftest_row(size: int, iters: int, stream_count: Optional[int] = None) -> dict:
     """perftest on the same device, same size, comparable counts (rdma only)."""
     from . import perftest
     if not perftest.available():
-        raise SystemExit("moe-bench transport --backend rdma: perftest (ib_send_lat, ib_send_bw, "
-                         "ib_write_bw) is not installed; apt-get install perftest, or pass --no-peers")
-    return perftest.measure(size, _iters(size, iters), _count(size))
+        raise RuntimeError("perftest (ib_send_lat, ib_send_bw, ib_write_bw) is not installed; "
+                           "apt-get install perftest, or pass --no-peers")
+    row = perftest.measure(size, _iters(size, iters), _count(size, stream_count))
+    row.update(figure="descriptor", carried=True, label="perftest")
+    return row
+
+
+def not_carried(p: peers.Peer, figure: str, size: int) -> dict:
+    return {"impl": p.impl, "backend": p.backend, "label": p.label, "figure": figure, "size": size,
+            "carried": False, "max_message": p.max_message, "note": f"not carried (max {p.max_message} B)"}
+
+
+def failed(impl: str, backend: str, label: str, figure: str, size: int, why: str) -> dict:
+    return {"impl": impl, "backend": backend, "label": label, "figure": figure, "size": size, "error": why}
+
+
+def settings_of(args, backends, sizes, iters, figures) -> dict:
+    try:
+        affinity = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = None
+    return {"backends": backends, "sizes": sizes, "figures": figures, "iterations": iters,
+            "iterations_rule": f"{iters} round trips per size up to 64 KiB, iters * 64 KiB / size above "
+                               f"(at least 20)",
+            "warmup": args.warmup, "warmup_rule": (f"{args.warmup} untimed round trips per size"
+                                                  if args.warmup is not None else
+                                                  "10% of each size's iterations (at least 5), untimed"),
+            "stream": {"bursts": BURSTS, "messages": (f"{args.stream_count}" if args.stream_count else
+                                                      "64 MiB / size per burst, 50 .. 5000"),
+                       "bandwidth": "mean over the bursts (bw_peak_gbps: the fastest burst)"},
+            "slot_size": args.slot_size, "nslots": 8,
+            "pinning": None if args.pin is None else {"client_cpu": args.pin[0], "server_cpu": args.pin[1]},
+            "affinity": affinity, "spin": spin_settings(backends), "peers": not args.no_peers,
+            "latency": "one-way = half the round trip (perftest's convention), usec",
+            "figure_meaning": {"descriptor": "the payload is never touched (a slot index on shm)",
+                               "data": "the sender writes and the receiver reads every payload byte, both ways "
+                                       "(bench.payload: the same work for every implementation)"}}
 
 
 def run(args: argparse.Namespace) -> int:
     backends = args.backend or ["tcp", "shm"]
     sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
     iters = min(args.iters, 300) if args.quick else args.iters
+    figures = list(args.figures)
+    if not sizes:
+        raise SystemExit("moe-bench transport: no sizes")
     max_size = max(sizes)
-    results: list[dict] = []
+    doc: dict = {"provenance": provenance(), "settings": settings_of(args, backends, sizes, iters, figures),
+                 "complete": False, "interrupted": False, "results": [], "ratios": {}, "targets": [],
+                 "references": []}
+    results: list[dict] = doc["results"]
+
+    def save() -> None:
+        if args.json:
+            report.transport_summary(doc)
+            write_json_atomic(args.json, doc)
+
+    save()
+    old_affinity = None
+    if args.pin is not None:
+        old_affinity = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {args.pin[0]})
     progress = report.Progress(total=len(backends) * len(sizes))
-    shared_peers: dict[str, dict] = {}  # pipe/pyzmq measured once, shown beside every backend
-    for backend in backends:
-        ps = make_peers(backend, max_size, not args.no_peers)
-        started = []
-        try:
-            for p in ps:
-                started.append(p.start())
-            for size in sizes:
+    measured: set = set()  # (impl, medium, figure, size) of the shared peers already measured
+    try:
+        for backend in backends:
+            try:
+                ps = make_peers(backend, max_size, not args.no_peers, slot_size=args.slot_size,
+                                server_cpu=None if args.pin is None else args.pin[1])
+            except Exception as e:
+                print(f"{backend}: cannot run here: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                for size in sizes:
+                    for fig in figures:
+                        results.append(failed("moe-transport", backend, "moe-transport", fig, size,
+                                              f"{type(e).__name__}: {e}"))
+                save()
+                continue
+            started: list[peers.Peer] = []
+            dead: dict = {}
+            try:
+                for p in ps:
+                    if p.impl in SHARED and all((p.impl, p.backend, f, s) in measured for f in figures for s in sizes):
+                        continue  # measured beside an earlier backend: shown from there
+                    try:
+                        started.append(p.start())
+                    except Exception as e:
+                        why = f"{type(e).__name__}: {e}"
+                        print(f"{p.label} ({p.backend}): could not start: {why}", file=sys.stderr, flush=True)
+                        p.stop()
+                        dead[id(p)] = why
+                        started.append(p)
+                for size in sizes:
+                    for fig in figures:
+                        for p in started:
+                            key = (p.impl, p.backend, fig, size)
+                            if p.impl in SHARED and key in measured:
+                                continue
+                            if id(p) in dead:
+                                rec = failed(p.impl, p.backend, p.label, fig, size, dead[id(p)])
+                            elif not p.carries(size):
+                                rec = not_carried(p, fig, size)
+                            else:
+                                try:
+                                    rec = measure(p, size, iters, fig, args.warmup, args.stream_count)
+                                except (Exception) as e:  # the peer is unusable now: report, stop it, go on
+                                    why = f"{type(e).__name__}: {e}"
+                                    print(f"{p.label} ({p.backend}) {report.human(size)} {fig}: failed: {why}",
+                                          file=sys.stderr, flush=True)
+                                    dead[id(p)] = why
+                                    p.stop()
+                                    rec = failed(p.impl, p.backend, p.label, fig, size, why)
+                            results.append(rec)
+                            if p.impl in SHARED:
+                                measured.add(key)
+                        if backend == "rdma" and fig == "descriptor" and not args.no_peers:
+                            # perftest carries what the device does: the bare loop learnt its max_msg_sz
+                            floor = next((p for p in started if p.impl == "raw" and id(p) not in dead), None)
+                            if floor is not None and not floor.carries(size):
+                                results.append({"impl": "perftest", "backend": "rdma", "label": "perftest",
+                                                "figure": fig, "size": size, "carried": False,
+                                                "max_message": floor.max_message,
+                                                "note": f"not carried (max {floor.max_message} B)"})
+                            else:
+                                try:
+                                    results.append(_perftest_row(size, iters, args.stream_count))
+                                except Exception as e:
+                                    results.append(failed("perftest", "rdma", "perftest", fig, size,
+                                                          f"{type(e).__name__}: {e}"))
+                    progress.advance(f"{backend} {report.human(size)}")
+                    save()
+            finally:
                 for p in started:
-                    key = f"{p.impl}/{p.backend}/{size}"
-                    if p.impl in ("pipe", "pyzmq") and key in shared_peers:
-                        continue
-                    rec = measure(p, size, iters)
-                    results.append(rec)
-                    if p.impl in ("pipe", "pyzmq"):
-                        shared_peers[key] = rec
-                if backend == "rdma" and not args.no_peers:
-                    results.append(_perftest_row(size, iters))
-                progress.advance(f"{backend} {report.human(size)}")
-        finally:
-            for p in started:
-                p.stop()
-    progress.close()
-    ratios = report.ratios(results)
-    out = {"meta": {"host": platform.node(), "python": platform.python_version(),
-                    "cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "iters": iters, "sizes": sizes, "backends": backends},
-           "results": results, "ratios": ratios}
-    report.print_transport(results, ratios)
+                    p.stop()
+    except KeyboardInterrupt:
+        doc["interrupted"] = True
+        print("interrupted: reporting (and writing) what was measured so far", file=sys.stderr, flush=True)
+    finally:
+        progress.close()
+        if old_affinity is not None:
+            os.sched_setaffinity(0, old_affinity)
+    doc["complete"] = not doc["interrupted"]
+    report.transport_summary(doc)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.json}")
+        write_json_atomic(args.json, doc)
+        print(f"wrote {args.json}", file=sys.stderr)
+    report.print_transport(doc)
     if args.plot:
         report.plot_transport(results, args.plot)
-    return 0
+    if doc["interrupted"]:
+        return 130
+    return 1 if any("error" in r for r in results) else 0

@@ -97,21 +97,37 @@ def test_real_clock_paces_absolute():
     assert out[-1] - t0 < 39 / 200.0 + 0.05
 
 
-def test_gamma_burstiness_grows_cv():
+def test_gamma_burstiness_is_vllms_shape():
+    """--burstiness is vLLM's: the gamma shape, scale 1/(rate * burstiness). 1 is Poisson,
+    lower is burstier: on a long schedule the gaps' CV is 1/sqrt(burstiness) and the mean
+    gap 1/rate, whatever the burstiness."""
     rate = 10.0
-    cvs, means = [], []
+    cvs = []
     for b in (0.25, 0.5, 1.0, 2.0, 4.0):
-        g = np.fromiter(S.gamma_gaps(rate, b, np.random.default_rng(3)), float, count=100_000)
+        g = np.fromiter(S.gamma_gaps(rate, b, np.random.default_rng(3)), float, count=200_000)
         cvs.append(g.std() / g.mean())
-        means.append(g.mean())
-        assert abs(cvs[-1] / b - 1) < 0.1
-    assert all(a < b for a, b in zip(cvs, cvs[1:]))
-    assert all(abs(m * rate - 1) < 0.05 for m in means)
+        assert abs(cvs[-1] * np.sqrt(b) - 1) < 0.03, (b, cvs[-1])
+        assert abs(g.mean() * rate - 1) < 0.02
+        assert S.cv_of_burstiness(b) == pytest.approx(1 / np.sqrt(b))
+        assert S.burstiness_for_cv(S.cv_of_burstiness(b)) == pytest.approx(b)
+    assert all(a > b for a, b in zip(cvs, cvs[1:]))  # lower burstiness: burstier
+    # burstiness 1 is a Poisson process: the same gaps as the exponential
+    e = np.fromiter(S.poisson_gaps(rate, np.random.default_rng(9)), float, count=200_000)
+    g1 = np.fromiter(S.gamma_gaps(rate, 1.0, np.random.default_rng(9)), float, count=200_000)
+    assert abs(np.quantile(e, 0.9) / np.quantile(g1, 0.9) - 1) < 0.03
+    # through the schedule the tool builds (absolute deadlines), long enough to judge
+    for b in (0.25, 4.0):
+        ts = np.asarray([a.t for a in S.arrivals(S.make_gaps("gamma", rate, np.random.default_rng(5), b),
+                                                 t0=0.0, max_n=100_000)])
+        gaps = np.diff(ts)
+        assert abs(gaps.std() / gaps.mean() * np.sqrt(b) - 1) < 0.03
+        assert abs(_rate(ts) / rate - 1) < 0.03
     # bursty arrivals still hit the target rate on absolute deadlines
-    _, released, _ = _paced(S.gamma_gaps(rate, 2.0, np.random.default_rng(5)), n=10_000)
+    _, released, _ = _paced(S.gamma_gaps(rate, 0.25, np.random.default_rng(5)), n=10_000)
     assert abs(_rate(released) / rate - 1) < 0.05
-    with pytest.raises(ValueError):
-        next(S.gamma_gaps(rate, 0.0, np.random.default_rng(0)))
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError):
+            next(S.gamma_gaps(rate, bad, np.random.default_rng(0)))
 
 
 def test_ramp_steps():
@@ -166,8 +182,11 @@ def test_segment_record_on_synthetic_requests():
         return d
     ok = [req(i, i * 0.1, 0.001, 0.010, [0.004] * 8) for i in range(50)]
     r = segment_record(ok, mode="fixed-rate", backend="shm", target_rate=10.0, duration=5.0, slo_tpot_ms=100.0)
-    assert r["achieved_rate"] == pytest.approx(10.0, rel=1e-6)
+    assert r["start_rate"] == pytest.approx(10.0, rel=1e-6)
     assert r["scheduled_rate"] == pytest.approx(10.0, rel=1e-6)
+    # one duration for every rate: the 5 s schedule (the last request ends inside it)
+    assert r["duration_s"] == pytest.approx(5.0) and r["request_throughput"] == pytest.approx(10.0)
+    assert r["completed"] == 50 and r["failed"] == 0
     assert r["tpot_ms"]["p50"] == pytest.approx(4.0, rel=0.01)
     assert r["ttft_ms"]["p99"] == pytest.approx(11.0, rel=0.01)
     assert r["e2e_ms"]["p50"] == pytest.approx(43.0, rel=0.01)
@@ -175,7 +194,7 @@ def test_segment_record_on_synthetic_requests():
     late = [req(i, i * 0.1, 0.3 * i * 0.1, 0.010, [0.004] * 8) for i in range(50)]
     r = segment_record(late, mode="ramp", backend="shm", target_rate=10.0, duration=5.0, slo_tpot_ms=100.0, step=2)
     assert r["queue_growing"] and r["saturated"] and r["step"] == 2
-    assert r["achieved_rate"] < 10.0 / 1.2
+    assert r["start_rate"] < 10.0 / 1.2
     assert r["scheduled_rate"] == pytest.approx(10.0, rel=1e-6)  # the schedule was right; the starts lagged
 
 
