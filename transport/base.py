@@ -157,6 +157,11 @@ class Connection(abc.ABC):
     @abc.abstractmethod
     def closed(self) -> bool: ...
 
+    def abort(self) -> None:
+        """Close at once, without waiting for what we sent to reach the peer (a service
+        dropping a peer that does not read must not wait for it). Idempotent."""
+        self.close()
+
     def in_registered_memory(self, buf) -> bool:
         """Whether ``buf`` (a received buffer) lies in memory registered for this connection."""
         return self.recv_pool.contains(buf)  # type: ignore[attr-defined]

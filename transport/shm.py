@@ -653,6 +653,9 @@ class ShmConnection(Connection):
     def fileno(self) -> int:
         return self._bell.ep.fileno() if not self._closed else -1
 
+    def abort(self) -> None:
+        self._teardown(goodbye=False)
+
     def _abort(self) -> None:
         self._teardown(goodbye=False)
 

@@ -573,6 +573,9 @@ class StreamConnection(Connection):
     def fileno(self) -> int:
         return self._fd if not self._closed else -1
 
+    def abort(self) -> None:
+        self._abort()
+
     def _abort(self) -> None:
         """Close at once (after a protocol error: the peer's bytes are not worth keeping)."""
         if not self._closed:

@@ -1,0 +1,238 @@
+"""The serve loop (transport/service/loop.py) against misbehaving peers, over real tcp and
+shm connections: a connection cap, idle timeouts, handshakes that never finish, a client
+that does not read its replies, and a process out of file descriptors. Nobody else waits."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+import transport
+from transport.service.loop import ServeLoop
+
+pytestmark = pytest.mark.timeout(60)
+BACKENDS = ("tcp", "shm")
+
+
+def _url(backend):
+    return "tcp://127.0.0.1:0" if backend == "tcp" else f"shm://moe-test-loop-{uuid.uuid4().hex[:10]}"
+
+
+class Echo:
+    """A serve loop in a thread answering every message with ``reply_bytes`` of payload."""
+
+    def __init__(self, backend, *, reply_bytes=1024, nslots=4, **site):
+        self.loop = ServeLoop(**{k: site.pop(k) for k in ("max_outbox", "outbox_timeout") if k in site})
+        self.listener = transport.listen(_url(backend), slot_size=max(reply_bytes, 4096), nslots=nslots,
+                                         timeout=5)
+        self.url = self.listener.url
+        self.reply_bytes = reply_bytes
+        self.loop.add_listener(self.listener, self._handle, **site)
+        self.thread = threading.Thread(target=self.loop.run, daemon=True)
+        self.thread.start()
+
+    def _handle(self, conn, msg):
+        h = msg.header
+        msg.release()
+
+        def fill(view):
+            np.frombuffer(view, np.uint8)[:8] = 7
+            return h
+        self.loop.reply(conn, self.reply_bytes, fill)
+
+    def close(self):
+        self.loop.request_stop()
+        self.thread.join(5)
+        self.loop.close()
+
+
+def _ask(conn, i, timeout=5.0):
+    conn.send({"i": i}, timeout=timeout)
+    with conn.recv(timeout=timeout) as m:
+        assert m.header == {"i": i}
+        return m.buffers[0].nbytes
+
+
+def _silent(backend, url):
+    if backend == "tcp":
+        return socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect("\0moe-transport/shm/" + url.split("://", 1)[1])
+    return s
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_connection_cap_refuses_with_a_reason_and_frees_up(backend):
+    srv = Echo(backend, max_connections=2)
+    try:
+        a = transport.connect(srv.url, slot_size=4096, nslots=4, timeout=5)
+        b = transport.connect(srv.url, slot_size=4096, nslots=4, timeout=5)
+        with pytest.raises(transport.Refused, match="connection limit"):
+            transport.connect(srv.url, slot_size=4096, nslots=4, timeout=5)
+        assert srv.loop.stats.refused_cap == 1
+        _ask(a, 1)
+        a.close()
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                c = transport.connect(srv.url, slot_size=4096, nslots=4, timeout=5)
+                break
+            except transport.Refused:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert _ask(c, 2) == 1024
+        for x in (b, c):
+            x.close()
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_idle_connections_are_closed(backend):
+    srv = Echo(backend, idle_timeout=0.3)
+    try:
+        c = transport.connect(srv.url, slot_size=4096, nslots=4, timeout=5)
+        _ask(c, 1)
+        with pytest.raises(transport.ConnectionClosed):
+            c.recv(timeout=4)
+        assert srv.loop.stats.idle_closed == 1
+        c.close()
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_handshakes_that_never_finish_cost_nothing_and_expire(backend):
+    """Fifteen clients that never say hello: a real client is served at once, every time;
+    the silent ones are closed at their handshake deadline."""
+    srv = Echo(backend, handshake_timeout=0.5)
+    silent = [_silent(backend, srv.url) for _ in range(15)]
+    try:
+        c = transport.connect(srv.url, slot_size=4096, nslots=4, timeout=5)
+        times = []
+        for i in range(50):
+            t = time.monotonic()
+            _ask(c, i)
+            times.append(time.monotonic() - t)
+        assert max(times) < 0.25, max(times)
+        deadline = time.monotonic() + 5
+        while srv.loop.stats.handshake_timeouts < 15:
+            assert time.monotonic() < deadline, srv.loop.stats
+            time.sleep(0.05)
+        for s in silent:  # the server hung up on them
+            s.settimeout(2)
+            data = b""
+            try:
+                while chunk := s.recv(4096):
+                    data += chunk
+            except (ConnectionResetError, socket.timeout):
+                pass
+        c.close()
+    finally:
+        for s in silent:
+            s.close()
+        srv.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_client_that_does_not_read_is_dropped_and_nobody_waits(backend):
+    """The bad client sends requests and never reads: its replies are held (bounded), then it
+    is dropped; a good client's round trips stay fast throughout."""
+    srv = Echo(backend, reply_bytes=256 << 10, nslots=4, max_outbox=8, outbox_timeout=1.0)
+    try:
+        bad = transport.connect(srv.url, slot_size=256 << 10, nslots=2, timeout=5)
+        good = transport.connect(srv.url, slot_size=256 << 10, nslots=4, timeout=5)
+        for i in range(4):  # the server's credits for us (4): requests go, replies pile up
+            bad.send({"i": i}, timeout=5)
+        times = []
+        t_end = time.monotonic() + 2.0
+        i = 0
+        while time.monotonic() < t_end:
+            t = time.monotonic()
+            _ask(good, i)
+            times.append(time.monotonic() - t)
+            i += 1
+        assert srv.loop.stats.slow_dropped == 1, srv.loop.stats
+        assert srv.loop.stats.held_replies >= 1
+        assert max(times) < 0.5, max(times)
+        with pytest.raises(transport.ConnectionClosed):
+            for _ in range(10):  # what was delivered, then the end
+                bad.recv(timeout=2).release()
+        bad.close()
+        good.close()
+    finally:
+        srv.close()
+
+
+SERVER = r"""
+import os, resource, sys, time
+sys.path.insert(0, os.getcwd())
+import transport
+from transport.service.loop import ServeLoop
+loop = ServeLoop()
+lst = transport.listen("tcp://127.0.0.1:0", slot_size=4096, nslots=2, timeout=5)
+def handle(conn, msg):
+    h = msg.header; msg.release(); loop.send(conn, h)
+loop.add_listener(lst, handle, handshake_timeout=30)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (40, hard))
+print(lst.url, flush=True)
+loop.run(until=lambda: os.path.exists(sys.argv[1]))
+"""
+
+
+def _cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_out_of_file_descriptors_backs_off_and_recovers(tmp_path):
+    """With its descriptors used up by half-open clients the server neither spins nor floods
+    its log; once they go, a new client is served."""
+    stop = tmp_path / "stop"
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(stop)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(__file__)), text=True)
+    hogs = []
+    try:
+        url = proc.stdout.readline().strip()
+        port = int(url.rsplit(":", 1)[1])
+        for _ in range(60):  # more than the server has descriptors for
+            hogs.append(socket.create_connection(("127.0.0.1", port)))
+        time.sleep(0.5)
+        cpu0 = _cpu_seconds(proc.pid)
+        time.sleep(2.0)
+        spent = _cpu_seconds(proc.pid) - cpu0
+        assert spent < 0.5, f"the server spun: {spent:.2f} s of CPU in 2 s"
+        for h in hogs:
+            h.close()
+        hogs = []
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                c = transport.connect(url, slot_size=4096, nslots=2, timeout=3)
+                break
+            except transport.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        c.send({"x": 1}, timeout=5)
+        with c.recv(timeout=5) as m:
+            assert m.header == {"x": 1}
+        c.close()
+    finally:
+        for h in hogs:
+            h.close()
+        stop.touch()
+        try:
+            _, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+    assert err.count("accept failures") <= 3, err[-2000:]  # once per interval, not per failure

@@ -1,0 +1,503 @@
+"""ServeLoop: one thread, one poller, everything a service serves.
+
+It owns the listeners, the handshakes in progress (``handshake.Pending``, each with its own
+deadline, so a client that never finishes one costs nothing but a file descriptor), the
+served connections, other pollables the service registers (the gateway's worker
+connections), timers (``tick`` callbacks that return their next deadline) and a wake pipe
+(signal handlers and threads hand work to the loop with :meth:`call_soon_threadsafe`).
+
+What no peer may do to a service, and how the loop prevents it:
+
+- hold its loop: handshakes never block it; one connection is served at most ``batch``
+  messages per wake-up; a reply to a connection that cannot take it now (the peer does not
+  read, or holds every slot) goes into that connection's outbox instead of waiting, within
+  ``max_outbox`` messages and ``outbox_timeout`` seconds, past which the connection is
+  dropped and counted;
+- exhaust it: a per-listener connection cap (handshakes in progress count), an idle
+  timeout, and when the process is out of file descriptors the listener is set aside for a
+  growing back-off (logged once per interval) instead of being polled in a tight loop.
+
+Messages are handed to the listener's ``on_message(conn, msg)``; the handler owns the
+message (releases it). ``on_close(conn, why)`` follows every served connection's end.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Optional, Sequence
+
+from .. import handshake as hs
+from ..errors import (AcceptFailed, AuthenticationError, ConnectionClosed, ProtocolError, Refused, Timeout,
+                      TransportError)
+from ..poller import Poller
+from .wake import WakePipe
+
+log = logging.getLogger("moe.serve")
+
+POLL_TICK = 0.5  # the longest the loop sleeps with nothing due (bounds how late a tick runs)
+BATCH = 64  # messages served from one connection per wake-up: nobody starves the others
+ACCEPT_BATCH = 32  # connections taken from one listener per wake-up
+MAX_CONNECTIONS = 1024  # per listener, handshakes in progress included
+IDLE_TIMEOUT = 300.0  # a served connection with no message for this long is closed
+MAX_OUTBOX = 64  # replies held for one connection that cannot take them now
+OUTBOX_TIMEOUT = 10.0  # the oldest held reply's age at which its connection is dropped
+OUTBOX_RETRY = 0.005  # how often held replies are retried (shm returns credits without a wake-up)
+SEND_TIMEOUT = 1.0  # a send the connection said it was ready for; a bound, never expected to wait
+ACCEPT_BACKOFF = (0.05, 1.0)  # first and longest pause of a listener out of file descriptors
+LOG_INTERVAL = 10.0  # rate of repeated warnings (accept failures)
+_OUT_OF_FDS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+
+
+@dataclass
+class ServeStats:
+    """What the loop refused or dropped, and why (exported as metrics by the services)."""
+
+    accepted: int = 0  # handshakes completed
+    open: int = 0  # served connections now
+    pending: int = 0  # handshakes in progress now
+    refused_cap: int = 0  # turned away at the connection cap
+    refused_auth: int = 0  # failed authentication (either way)
+    refused_other: int = 0  # refused in the handshake: limits, version, credentials
+    bad_handshakes: int = 0  # garbage or a broken peer during the handshake
+    handshake_timeouts: int = 0  # did not finish the handshake in time
+    idle_closed: int = 0  # closed by the idle timeout
+    slow_dropped: int = 0  # dropped because they did not take their replies
+    protocol_errors: int = 0  # served connections closed after a protocol error
+    accept_backoffs: int = 0  # times a listener was set aside (out of file descriptors)
+    held_replies: int = 0  # replies that had to wait in an outbox
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class _Served:
+    """A served connection's book-keeping."""
+
+    conn: Any
+    site: "_Site"
+    last: float  # time of the last message (idle timeout)
+    outbox: collections.deque = field(default_factory=collections.deque)  # (header, buffers, since)
+
+
+@dataclass
+class _Site:
+    """A listener and what is attached to it."""
+
+    listener: Any
+    on_message: Callable[[Any, Any], None]
+    on_open: Optional[Callable[[Any], None]]
+    on_close: Optional[Callable[[Any, Optional[str]], None]]
+    max_connections: int
+    idle_timeout: Optional[float]
+    name: str
+    handshake_timeout: float = hs.HELLO_TIMEOUT
+    pending: set = field(default_factory=set)
+    served: set = field(default_factory=set)
+    paused_until: float = 0.0  # accept back-off (out of file descriptors)
+    backoff: float = 0.0
+    watching: bool = True
+    failures: int = 0  # accept failures since the last log line
+    logged_at: float = 0.0
+
+
+class ServeLoop:
+    def __init__(self, *, batch: int = BATCH, poll_tick: float = POLL_TICK, max_outbox: int = MAX_OUTBOX,
+                 outbox_timeout: float = OUTBOX_TIMEOUT) -> None:
+        self.batch = batch
+        self.poll_tick = poll_tick
+        self.max_outbox = max_outbox
+        self.outbox_timeout = outbox_timeout
+        self.stats = ServeStats()
+        self._poller = Poller()
+        self._wake = WakePipe()
+        self._poller.register(self._wake, ("wake", None))
+        self._sites: list[_Site] = []
+        self._served: dict[Any, _Served] = {}  # connection -> book-keeping
+        self._ticks: list[Callable[[float], Optional[float]]] = []
+        self._soon: collections.deque = collections.deque()
+        self._held: set = set()  # served connections with a non-empty outbox
+        self._stop = False
+        self._closed = False
+        self._next_sweep = 0.0
+
+    # -- what the service registers ------------------------------------------------------
+    def add_listener(self, listener, on_message: Callable[[Any, Any], None], *,
+                     on_open: Optional[Callable[[Any], None]] = None,
+                     on_close: Optional[Callable[[Any, Optional[str]], None]] = None,
+                     max_connections: int = MAX_CONNECTIONS, idle_timeout: Optional[float] = IDLE_TIMEOUT,
+                     name: str = "clients", handshake_timeout: float = hs.HELLO_TIMEOUT) -> None:
+        site = _Site(listener, on_message, on_open, on_close, max(1, max_connections), idle_timeout, name,
+                     handshake_timeout)
+        self._sites.append(site)
+        self._poller.register(listener, ("listener", site))
+
+    def watch(self, obj, on_ready: Callable[[], None]) -> None:
+        """Call ``on_ready()`` when ``obj`` (anything with fileno(), and pending() if it
+        buffers) is readable. The service reads it itself (e.g. its own client connections)."""
+        self._poller.register(obj, ("watch", on_ready))
+
+    def unwatch(self, obj) -> None:
+        self._poller.unregister(obj)
+
+    def add_tick(self, fn: Callable[[float], Optional[float]]) -> None:
+        """``fn(now)`` runs every iteration and returns when it next wants to run
+        (time.monotonic), or None; the loop sleeps no longer than that."""
+        self._ticks.append(fn)
+
+    def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop's thread at its next iteration (from any thread)."""
+        self._soon.append(fn)
+        self._wake.wake()
+
+    def wake(self) -> None:
+        self._wake.wake()
+
+    # -- served connections --------------------------------------------------------------
+    def connections(self, name: Optional[str] = None) -> list:
+        return [c for c, s in self._served.items() if name is None or s.site.name == name]
+
+    def close_connection(self, conn, why: Optional[str] = None, *, abort: bool = True) -> None:
+        """Stop serving ``conn`` and close it (its outbox is discarded). ``abort`` (the
+        default: the loop drops a peer for a reason) closes without waiting for the peer to
+        take what was sent; only a graceful shutdown waits (bounded)."""
+        served = self._served.pop(conn, None)
+        if served is None:
+            return
+        if why:
+            log.info("%s %s: %s", served.site.name, conn.url, why)
+        self._held.discard(conn)
+        for _, bufs, _ in served.outbox:
+            _release(bufs)
+        served.outbox.clear()
+        served.site.served.discard(conn)
+        self._poller.unregister(conn)  # before close: its fd number may be reused at once
+        try:
+            conn.abort() if abort else conn.close()
+        except TransportError:
+            pass
+        self.stats.open = len(self._served)
+        if served.site.on_close is not None:
+            served.site.on_close(conn, why)
+
+    def send(self, conn, header: Any, buffers: Sequence = ()) -> bool:
+        """Send now if ``conn`` can take it without waiting, else hold it in the connection's
+        outbox (bounded: past the bound the connection is dropped). The buffers belong to
+        the loop from here on. Returns False if the connection is gone."""
+        served = self._served.get(conn)
+        if served is None:
+            _release(buffers)
+            return False
+        if not served.outbox and conn.send_ready():
+            try:
+                conn.send(header, buffers, timeout=SEND_TIMEOUT)
+                return True
+            except (ConnectionClosed, ProtocolError) as e:
+                self.close_connection(conn, f"send failed: {e}")
+                return False
+            except Timeout:  # it said ready, then waited: a peer not taking what it asked for
+                self.stats.slow_dropped += 1
+                self.close_connection(conn, "send timed out although the connection was ready")
+                return False
+        self._hold(served, header, list(buffers))
+        return conn in self._served
+
+    def reply(self, conn, nbytes: int, fill: Callable[[memoryview], Any]) -> bool:
+        """Send a ``nbytes`` payload that ``header = fill(view)`` writes: into a send slot of
+        ``conn`` (zero copy) when one is free, else into a private buffer (the slow path of
+        a peer that holds every slot: one copy, bounded by the outbox). If ``fill`` raises,
+        nothing is sent and the exception propagates."""
+        served = self._served.get(conn)
+        if served is None:
+            return False
+        slot = None
+        if not served.outbox:
+            try:
+                slot = conn.alloc(nbytes, timeout=0)
+            except Timeout:
+                slot = None
+            except ConnectionClosed as e:
+                self.close_connection(conn, f"alloc failed: {e}")
+                return False
+        if slot is not None:
+            try:
+                header = fill(slot.buf)
+            except BaseException:
+                slot.release()
+                raise
+            return self.send(conn, header, [slot])
+        scratch = bytearray(nbytes)
+        header = fill(memoryview(scratch))
+        return self.send(conn, header, [scratch])
+
+    def _hold(self, served: _Served, header: Any, buffers: list) -> None:
+        served.outbox.append((header, buffers, time.monotonic()))
+        self.stats.held_replies += 1
+        self._held.add(served.conn)
+        if len(served.outbox) > self.max_outbox:
+            self.stats.slow_dropped += 1
+            self.close_connection(served.conn, f"does not take its replies ({len(served.outbox)} held)")
+
+    def _flush(self, now: float) -> None:
+        for conn in list(self._held):
+            served = self._served.get(conn)
+            if served is None:
+                self._held.discard(conn)
+                continue
+            box = served.outbox
+            while box and conn.send_ready():
+                header, bufs, _ = box.popleft()
+                try:
+                    conn.send(header, bufs, timeout=SEND_TIMEOUT)
+                except Timeout:
+                    self.stats.slow_dropped += 1
+                    self.close_connection(conn, "send timed out although the connection was ready")
+                    break
+                except (ConnectionClosed, ProtocolError) as e:
+                    self.close_connection(conn, f"send failed: {e}")
+                    break
+            if conn not in self._served:
+                continue
+            if not box:
+                self._held.discard(conn)
+            elif now - box[0][2] > self.outbox_timeout:
+                self.stats.slow_dropped += 1
+                self.close_connection(conn, f"held replies for {now - box[0][2]:.1f} s: it does not read")
+
+    # -- the loop --------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Make :meth:`run` return at its next iteration (signal-handler safe)."""
+        self._stop = True
+        self._wake.wake()
+
+    def stop_accepting(self) -> None:
+        """Close every listener and abandon the handshakes in progress (graceful drain)."""
+        for site in self._sites:
+            for p in list(site.pending):
+                self._drop_pending(site, p)
+            if site.watching:
+                self._poller.unregister(site.listener)
+                site.watching = False
+            site.listener.close()
+        self._sites = []
+
+    def run(self, until: Optional[Callable[[], bool]] = None) -> None:
+        """Serve until :meth:`request_stop` or ``until()`` is true (checked every iteration)."""
+        self._stop = False
+        while not self._stop and not (until is not None and until()):
+            self.run_once()
+
+    def run_once(self, timeout: Optional[float] = None) -> None:
+        now = time.monotonic()
+        due = now + (self.poll_tick if timeout is None else timeout)
+        for fn in self._ticks:
+            try:
+                t = fn(now)
+            except Exception:  # a bug in one timer must not take the service down
+                log.exception("tick %r failed", fn)
+                t = None
+            if t is not None and t < due:
+                due = t
+        if self._held:
+            due = min(due, now + OUTBOX_RETRY)
+        for site in self._sites:
+            if site.pending:
+                due = min(due, min(p.deadline for p in site.pending))
+            if not site.watching:
+                due = min(due, site.paused_until)
+        if self._soon:
+            due = now
+        for obj, (role, data) in self._poller.poll(max(0.0, due - time.monotonic())):
+            if role == "served":
+                self._serve(obj, data)
+            elif role == "watch":
+                try:
+                    data()
+                except Exception:
+                    log.exception("a watched object's handler failed")
+            elif role == "pending":
+                self._step(data, obj)
+            elif role == "listener":
+                self._accept(data)
+            else:
+                self._wake.drain()
+        while self._soon:
+            self._soon.popleft()()
+        now = time.monotonic()
+        if self._held:
+            self._flush(now)
+        self._sweep(now)
+
+    def _serve(self, conn, served: _Served) -> None:
+        handle = served.site.on_message
+        for _ in range(self.batch):
+            if conn not in self._served:
+                return
+            try:
+                msg = conn.recv(timeout=0)
+            except Timeout:
+                return
+            except ProtocolError as e:
+                self.stats.protocol_errors += 1
+                self.close_connection(conn, f"protocol error: {e}")
+                return
+            except ConnectionClosed as e:
+                self.close_connection(conn, str(e))
+                return
+            served.last = time.monotonic()
+            try:
+                handle(conn, msg)
+            except Exception as e:  # a bug handling one peer's message costs that peer only
+                log.exception("handling a message from %s failed", conn.url)
+                msg.release()
+                self.close_connection(conn, f"internal error: {type(e).__name__}: {e}")
+                return
+
+    # -- accepting ---------------------------------------------------------------------------
+    def _accept(self, site: _Site) -> None:
+        for _ in range(ACCEPT_BATCH):
+            try:
+                p = site.listener.accept_pending()
+            except AcceptFailed as e:
+                self._accept_failed(site, e)
+                return
+            if p is None:
+                return
+            site.backoff = 0.0
+            if len(site.pending) + len(site.served) >= site.max_connections:
+                self.stats.refused_cap += 1
+                _refuse(p, f"the server is at its connection limit ({site.max_connections})")
+                continue
+            p.deadline = min(p.deadline, time.monotonic() + site.handshake_timeout)
+            site.pending.add(p)
+            self.stats.pending += 1
+            self._poller.register(p, ("pending", site))
+            self._step(site, p)  # the server speaks first: its HELLO goes out now
+
+    def _accept_failed(self, site: _Site, e: AcceptFailed) -> None:
+        site.failures += 1
+        now = time.monotonic()
+        if e.errno in _OUT_OF_FDS:
+            # the connection stays in the kernel's queue, so the listener stays readable: stop
+            # looking at it for a while instead of spinning on it
+            site.backoff = min(ACCEPT_BACKOFF[1], max(ACCEPT_BACKOFF[0], site.backoff * 2))
+            site.paused_until = now + site.backoff
+            if site.watching:
+                self._poller.unregister(site.listener)
+                site.watching = False
+            self.stats.accept_backoffs += 1
+        if now - site.logged_at >= LOG_INTERVAL:
+            log.warning("%s: %s (%d accept failures since the last report; backing off %.2f s)",
+                        site.name, e, site.failures, site.backoff)
+            site.logged_at, site.failures = now, 0
+
+    def _step(self, site: _Site, p) -> None:
+        try:
+            conn = p.step()
+        except AuthenticationError as e:
+            self.stats.refused_auth += 1
+            self._pending_failed(site, p, e)
+            return
+        except Refused as e:
+            self.stats.refused_other += 1
+            self._pending_failed(site, p, e)
+            return
+        except ProtocolError as e:
+            self.stats.bad_handshakes += 1
+            self._pending_failed(site, p, e)
+            return
+        except TransportError as e:
+            self.stats.bad_handshakes += 1
+            self._pending_failed(site, p, e)
+            return
+        if conn is None:
+            if p.events == hs.WRITE:
+                self._poller.modify(p, write=True)
+            elif p.events == hs.READ:
+                self._poller.modify(p, write=False)
+            return
+        self._poller.unregister(p)
+        site.pending.discard(p)
+        self.stats.pending -= 1
+        self.stats.accepted += 1
+        served = _Served(conn, site, time.monotonic())
+        self._served[conn] = served
+        site.served.add(conn)
+        self.stats.open = len(self._served)
+        self._poller.register(conn, ("served", served))
+        if site.on_open is not None:
+            site.on_open(conn)
+        if conn.pending():  # messages that came with the handshake: the fd may stay quiet
+            self._serve(conn, served)
+
+    def _pending_failed(self, site: _Site, p, e: Exception) -> None:
+        log.info("%s: handshake with %s failed: %s", site.name, p.peer, e)
+        self._poller.unregister(p)
+        site.pending.discard(p)
+        self.stats.pending -= 1
+
+    def _drop_pending(self, site: _Site, p) -> None:
+        self._poller.unregister(p)
+        site.pending.discard(p)
+        self.stats.pending -= 1
+        p.close()
+
+    def _sweep(self, now: float) -> None:
+        for site in self._sites:
+            for p in [p for p in site.pending if p.expired(now)]:
+                self.stats.handshake_timeouts += 1
+                self._drop_pending(site, p)
+            if not site.watching and now >= site.paused_until:
+                self._poller.register(site.listener, ("listener", site))
+                site.watching = True
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + 1.0
+        for conn, served in list(self._served.items()):
+            idle = served.site.idle_timeout
+            if idle is not None and now - served.last > idle and not served.outbox:
+                self.stats.idle_closed += 1
+                self.close_connection(conn, f"idle for {now - served.last:.0f} s")
+
+    def close(self) -> None:
+        """Close everything the loop owns (listeners, handshakes, served connections)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.stop_accepting()
+        for conn in list(self._served):
+            self.close_connection(conn, None, abort=False)
+        self._poller.close()
+        self._wake.close()
+
+    def __enter__(self) -> "ServeLoop":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _release(buffers) -> None:
+    for b in buffers:
+        release = getattr(b, "release", None)
+        if release is not None and hasattr(b, "pool"):
+            try:
+                release()
+            except ValueError:
+                pass
+
+
+def _refuse(p, reason: str) -> None:
+    """Tell a client we will not serve it (a REFUSED frame it reads as Refused), close."""
+    from .. import framing
+    import socket
+
+    try:
+        p.sock.send(b"".join(framing.encode_hello({"refused": reason, "code": "capacity"})),
+                    socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+    except OSError:
+        pass
+    p.close()
