@@ -15,10 +15,17 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from workers.cli import blas_env, spawn_service, stop_process, worker_argv
+from transport.service.launch import blas_env, spawn_service, stop_process
+from workers.cli import worker_argv
 
 BACKENDS = ("tcp", "shm")
 _names = itertools.count()
+
+
+def secret() -> bytes:
+    """The test session's shared secret (tests/conftest.py), for connections a test makes."""
+    with open(os.environ["MOE_SECRET_FILE"], "rb") as f:
+        return f.read().strip()
 
 
 def listen_url(backend: str, tag: str = "s") -> str:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import transport
-from tests.helpers_procs import BACKENDS, Services, backend_problem, listen_url, shm_entries, wait_until
+from tests.helpers_procs import BACKENDS, Services, backend_problem, listen_url, secret, shm_entries, wait_until
 from workers import protocol as P
 from workers.expert import SwiGLUExpert
 
@@ -22,14 +22,18 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def worker(request):
+def worker(request, tmp_path_factory):
     backend = request.param
     problem = backend_problem(backend)
     if problem:
         yield backend, problem
         return
+    updates = tmp_path_factory.mktemp("updates")
     with Services() as services:
-        yield backend, services.worker(backend, EXPERTS, d_model=D, d_ff=F, seed=SEED, max_tokens=MAX_TOKENS)
+        w = services.worker(backend, EXPERTS, d_model=D, d_ff=F, seed=SEED, max_tokens=MAX_TOKENS,
+                            extra=["--update-dir", str(updates)])
+        w.update_dir = updates
+        yield backend, w
 
 
 def _service(worker):
@@ -46,7 +50,7 @@ def connect(worker):
     holder = []
 
     def make():
-        holder.append(transport.connect(_service(worker).url, slot_size=1 << 16, nslots=4, timeout=10.0))
+        holder.append(transport.connect(_service(worker).url, slot_size=1 << 16, nslots=4, timeout=10.0, secret=secret()))
         return holder[0]
     yield make
     for c in holder:
@@ -127,7 +131,7 @@ def test_hot_update_double_buffer_pin_and_retire(worker, tmp_path):
     groups pin either; without a pin the active one serves; retire makes the other active;
     a third version is refused until one is retired; nothing of this stops serving."""
     s = _service(worker)
-    conn = transport.connect(s.url, slot_size=1 << 16, nslots=4, timeout=10.0)
+    conn = transport.connect(s.url, slot_size=1 << 16, nslots=4, timeout=10.0, secret=secret())
     try:
         x = _tokens(12, seed=4)
         v0 = SwiGLUExpert.from_seed(5, D, F, seed=SEED)(x)
@@ -156,7 +160,7 @@ def test_hot_update_double_buffer_pin_and_retire(worker, tmp_path):
         only = _op(conn, P.request(P.RETIRE, 20, expert=5, version=1))
         assert only["op"] == P.ERROR and "only one" in only["message"]
         # a version from an .npz file, then back to weights equal to version 0's
-        path = tmp_path / "e5.npz"
+        path = s.update_dir / "e5.npz"  # new weights are read only from the worker's --update-dir
         SwiGLUExpert.save_many(path, [SwiGLUExpert.from_seed(5, D, F, seed=SEED, version=9)])
         assert _load(conn, 21, 5, 2, weights=str(path))["op"] == P.LOADED
         assert _op(conn, P.request(P.RETIRE, 22, expert=5, version=1))["active"] == 2
@@ -245,7 +249,7 @@ def test_error_counters_count_by_code(connect):
 
 def test_many_connections_are_served_by_one_worker(worker):
     s = _service(worker)
-    conns = [transport.connect(s.url, slot_size=1 << 16, nslots=4, timeout=10.0) for _ in range(3)]
+    conns = [transport.connect(s.url, slot_size=1 << 16, nslots=4, timeout=10.0, secret=secret()) for _ in range(3)]
     try:
         xs = [_tokens(5 + i, seed=i) for i in range(3)]
         for i, (c, x) in enumerate(zip(conns, xs)):  # all in flight before any reply is read
@@ -271,7 +275,7 @@ def test_sigterm_drains_in_flight_batches_then_exits_0(backend):
     with Services() as services:
         # big enough that the batches are still being computed when SIGTERM lands
         w = services.worker(backend, [0, 1], d_model=128, d_ff=512, max_tokens=512)
-        c = transport.connect(w.url, slot_size=1 << 20, nslots=8, timeout=10.0)
+        c = transport.connect(w.url, slot_size=1 << 20, nslots=8, timeout=10.0, secret=secret())
         try:
             xs = [_tokens(512, seed=i, d=128) for i in range(4)]
             for i, x in enumerate(xs):
@@ -303,7 +307,7 @@ def test_sigterm_drains_in_flight_batches_then_exits_0(backend):
         finally:
             c.close()
         with pytest.raises(transport.TransportError):  # it stopped accepting
-            transport.connect(w.url, slot_size=1 << 16, nslots=2, timeout=2.0)
+            transport.connect(w.url, slot_size=1 << 16, nslots=2, timeout=2.0, secret=secret())
     assert shm_entries() - shm_before == set()
 
 
@@ -314,7 +318,7 @@ def test_weights_file_and_cli_errors(tmp_path):
     with Services() as services:
         w = services.start([sys.executable, "-m", "workers.cli", "--listen", listen_url("tcp"),
                             "--weights", str(path), "--max-tokens", "16", "--threads", "1", "--cpu", "0"])
-        c = transport.connect(w.url, slot_size=1 << 16, nslots=4, timeout=10.0)
+        c = transport.connect(w.url, slot_size=1 << 16, nslots=4, timeout=10.0, secret=secret())
         try:
             with _request(c, P.request(P.INFO, 1)) as msg:
                 assert msg.header["experts"] == [2, 3]

@@ -65,13 +65,11 @@ LOAD_FAILED = "load_failed"  # the weights of a load could not be read or do not
 OVERSIZED = "oversized"  # more rows than the peer accepts in one batch
 WORKER_FAILED = "worker_failed"  # gateway: a worker died, timed out or replied an error
 UNAVAILABLE = "unavailable"  # gateway: no healthy worker hosts an expert the batch needs
+UNAUTHORIZED = "unauthorized"  # a control operation on a connection that did not prove the secret
 INTERNAL = "internal"
 
 DTYPES = ("float32", "float64", "float16")
 MAX_GROUPS = 8192  # bounds the header (the transport caps headers at 64 KiB)
-
-#: first stdout line of a service, so a parent that asked for port 0 learns the port
-LISTENING = "LISTENING"
 
 
 class RequestError(Exception):
