@@ -518,9 +518,8 @@ def _resolve(args) -> None:
 
 
 def describe_gateway(url: str, timeout: float) -> dict:
-    """What a running gateway serves, from its pong's ``config`` (d_model, dtype, experts,
-    top-k, router, batching) and its workers; d_ff, which the gateway does not report, from
-    the workers' own hello (``info``) when they can be reached from here."""
+    """What a running gateway serves, from its pong: ``config`` (d_model, dtype, experts,
+    top-k, router, batching) and its workers (each with the d_ff its hello said)."""
     from gateway.client import GatewayClient
     try:
         with GatewayClient(url, timeout=timeout, connect_timeout=min(timeout, 10.0)) as c:
@@ -530,41 +529,14 @@ def describe_gateway(url: str, timeout: float) -> dict:
     cfg = dict(pong.get("config") or {})
     if "router" not in cfg:
         raise ConfigError(f"the gateway at {url} does not describe its router (too old?)")
-    workers = []
-    for w in pong.get("workers", []):
-        info = {"url": w.get("url"), "experts": w.get("experts"), "healthy": w.get("healthy")}
-        info.update(_worker_info(w.get("url"), min(timeout, 5.0)))
-        workers.append(info)
+    workers = [{"url": w.get("url"), "experts": w.get("experts"), "healthy": w.get("healthy"),
+                "d_ff": w.get("d_ff")} for w in pong.get("workers", [])]
     d_ffs = sorted({w["d_ff"] for w in workers if w.get("d_ff") is not None})
     cfg["workers"] = workers
     cfg["d_ff"] = d_ffs[0] if len(d_ffs) == 1 else None
-    cfg["d_ff_source"] = ("the workers' hello" if len(d_ffs) == 1 else
-                          f"workers disagree: {d_ffs}" if d_ffs else "unknown: no worker could be asked")
+    cfg["d_ff_source"] = ("the gateway's workers" if len(d_ffs) == 1 else
+                          f"workers disagree: {d_ffs}" if d_ffs else "unknown: no worker reported it")
     return cfg
-
-
-def _worker_info(url: Optional[str], timeout: float) -> dict:
-    """A worker's hello (d_model, d_ff, dtype, max_tokens), or {} if it cannot be reached."""
-    if not url:
-        return {}
-    import transport
-    from workers import protocol as P
-    try:
-        conn = transport.connect(url, timeout=timeout)
-    except Exception:
-        return {}
-    try:
-        conn.send(P.request(P.INFO, 1), timeout=timeout)
-        deadline = time.monotonic() + timeout
-        while True:
-            with conn.recv(timeout=max(0.0, deadline - time.monotonic())) as msg:
-                h = msg.header
-            if isinstance(h, dict) and h.get("op") == P.INFO:
-                return {k: h[k] for k in ("d_model", "d_ff", "dtype", "max_tokens") if k in h}
-    except Exception:
-        return {}
-    finally:
-        conn.close()
 
 
 def adopt_gateway(args, cfg: dict) -> None:
@@ -680,7 +652,7 @@ def _delta(before: dict, after: dict, wall: float) -> dict:
         out["rounds"] = rounds
         out["stage_ms"] = {k: 1e3 * (after["stage_s"][k] - before["stage_s"].get(k, 0.0)) / rounds
                            for k in after["stage_s"]} if rounds else {}
-        out["failed_rounds"] = after["failed_rounds"] - before["failed_rounds"]
+        out["failed_requests"] = after["failed_requests"] - before["failed_requests"]
         out["gateway_dropped"] = after.get("dropped", 0) - before.get("dropped", 0)
         out["gateway_overflow"] = after.get("overflow", 0) - before.get("overflow", 0)
         out["transport_bytes"] = after["transport_bytes"] - before["transport_bytes"]

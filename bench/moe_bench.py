@@ -85,7 +85,8 @@ class ReferenceChild:
 class TransportSystem:
     def __init__(self, backend: str, router, n_workers: int, d_model: int, d_ff: int, seed: int, batch: int):
         from gateway.pool import WorkerPool
-        from workers.cli import blas_env, spawn_service, worker_argv
+        from transport.service.launch import blas_env, spawn_service
+        from workers.cli import worker_argv
         n_exp = router.n_experts
         self.procs, urls = [], []
         for w in range(n_workers):
@@ -105,7 +106,7 @@ class TransportSystem:
         return y
 
     def close(self) -> None:
-        from workers.cli import stop_process
+        from transport.service.launch import stop_process
         self.pool.close()
         for p in self.procs:
             stop_process(p)

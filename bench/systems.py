@@ -89,7 +89,7 @@ class MoeTransport(System):
         """A moe-gateway with ``workers`` local workers on ``backend`` (its own processes)."""
         import sys
 
-        from workers.cli import blas_env, spawn_service
+        from transport.service.launch import blas_env, spawn_service
         listen = {"shm": f"shm://moe-load-{os.getpid()}-{time.monotonic_ns() % 10**6}", "tcp": "tcp://127.0.0.1:0",
                   "rdma": f"rdma://{os.environ.get('MOE_RDMA_IP', '127.0.0.1')}:0"}[backend]
         argv = [sys.executable, "-m", "gateway.cli", "--listen", listen, "--local-workers", str(workers),
@@ -103,7 +103,7 @@ class MoeTransport(System):
         try:
             return cls(url, backend, proc)
         except BaseException:
-            from workers.cli import stop_process
+            from transport.service.launch import stop_process
             stop_process(proc)
             raise
 
@@ -126,7 +126,7 @@ class MoeTransport(System):
             cpu[f"worker{i}"] = w.get("cpu_s")
         g = p["gateway"]
         return {"cpu_s": cpu, "stage_s": dict(g["stage_seconds"]), "rounds": g["rounds"],
-                "failed_rounds": g["failed_rounds"], "dropped": g.get("dropped", 0),
+                "failed_requests": g["failed_requests"], "dropped": g.get("dropped", 0),
                 "overflow": g.get("overflow", 0), "errors": dict(g["errors"]),
                 "expert_rows": _expert_rows(p.get("workers", [])),
                 "transport_bytes": sum(w.get("transport", {}).get("bytes_sent", 0)
@@ -136,7 +136,7 @@ class MoeTransport(System):
     def close(self) -> None:
         self._admin.close()
         if self.proc is not None:
-            from workers.cli import stop_process
+            from transport.service.launch import stop_process
             self.rc = stop_process(self.proc, timeout=15.0)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 import transport
 from transport import Timeout
+from transport.service import secrets
 from workers import protocol as P
 
 DEFAULT_SLOT_SIZE = 4 << 20  # the largest reply this client can take: 1M float32 values
@@ -27,11 +28,16 @@ DEFAULT_SLOT_SIZE = 4 << 20  # the largest reply this client can take: 1M float3
 
 class GatewayClient:
     def __init__(self, url: str, *, timeout: float = 30.0, slot_size: int = DEFAULT_SLOT_SIZE,
-                 nslots: int = 8, connect_timeout: Optional[float] = None) -> None:
+                 nslots: int = 8, connect_timeout: Optional[float] = None, secret: Any = secrets.FIND,
+                 secret_file: Optional[str] = None) -> None:
+        """``secret`` (or ``secret_file``): the gateway's shared secret; by default (FIND) it
+        is found as the services find it ($MOE_SECRET_FILE, else the per-user default
+        file); None: connect without one."""
         self.url = url
         self.timeout = timeout
+        secret = secrets.for_client(secret, secret_file)
         self.conn = transport.connect(url, slot_size=slot_size, nslots=nslots,
-                                      timeout=connect_timeout or timeout)
+                                      timeout=connect_timeout or timeout, secret=secret)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._done: dict[int, Any] = {}  # request id -> (header, array copy) or error

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from workers.cli import blas_env, spawn_service, stop_process
+from transport.service.launch import blas_env, spawn_service, stop_process
 
 FULL = dict(d_model=1024, d_ff=2048, batch_min=256, batch_max=256)
 
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gateway.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default=os.environ.get("BACKEND", "shm"), choices=["shm", "tcp", "rdma"])
     p.add_argument("--full", action="store_true", help="the issue's config (d_model 1024, d_ff 2048, 256 tokens)")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--local-workers", type=int, default=2, help="worker processes the gateway starts")
     p.add_argument("--n-experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--d-model", type=int, default=256)
@@ -85,11 +85,11 @@ def run(args) -> int:
     max_batch = args.max_batch_tokens or args.clients * args.batch_max
     shm_before = _shm_entries()
     argv = [sys.executable, "-m", "gateway.cli", "--listen", _listen_url(args.backend),
-            "--local-workers", str(args.workers), "--backend", args.backend,
+            "--local-workers", str(args.local_workers), "--backend", args.backend,
             "--n-experts", str(args.n_experts), "--top-k", str(args.top_k),
             "--d-model", str(args.d_model), "--d-ff", str(args.d_ff), "--seed", str(args.seed),
             "--max-batch-tokens", str(max_batch), "--max-wait-ms", str(args.max_wait_ms)]
-    print(f"moe-transport demo: backend={args.backend}  {args.workers} workers, {args.n_experts} experts, "
+    print(f"moe-transport demo: backend={args.backend}  {args.local_workers} workers, {args.n_experts} experts, "
           f"top-{args.top_k}, d_model={args.d_model}, d_ff={args.d_ff}, batches of "
           f"{args.batch_min}-{args.batch_max} tokens, {args.clients} clients for {args.duration:.0f} s")
     t0 = time.monotonic()

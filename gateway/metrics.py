@@ -10,7 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gateway.update import State
-from workers.metrics import FnCollector, transport_families
+from gateway.workers import Health
+from transport.service.metrics import FnCollector, serve_families, transport_families
 
 STAGES = ("queue", "route", "dispatch", "compute", "wait", "combine", "total")
 STAGE_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
@@ -37,10 +38,19 @@ class GatewayMetrics:
                                 registry=self.registry)
         self.rows = Counter("moe_gateway_rows", "Rows (token-expert assignments) sent to workers",
                             registry=self.registry)
+        self.request_seconds = Histogram("moe_gateway_request_seconds", "Per-request latency at the gateway, "
+                                         "from arrival to reply, by outcome", ["outcome"],
+                                         registry=self.registry, buckets=STAGE_BUCKETS)
+        self._outcome = {True: self.request_seconds.labels(outcome="ok"),
+                         False: self.request_seconds.labels(outcome="error")}
 
     def attach(self) -> "GatewayMetrics":
         self.server.on_round = self.on_round
+        self.server.on_request = self.on_request
         return self
+
+    def on_request(self, seconds: float, ok: bool) -> None:
+        self._outcome[ok].observe(seconds)
 
     def on_round(self, st, queue_s: float) -> None:
         s = self._stage
@@ -68,13 +78,18 @@ class GatewayMetrics:
             CounterMetricFamily("moe_gateway_replies", "Results sent", value=st.replies),
             CounterMetricFamily("moe_gateway_tokens", "Tokens received in forward requests", value=st.tokens),
             CounterMetricFamily("moe_gateway_rounds", "Dispatch rounds finished", value=st.rounds),
-            CounterMetricFamily("moe_gateway_failed_rounds", "Dispatch rounds that failed", value=st.failed_rounds),
+            CounterMetricFamily("moe_gateway_failed_requests", "Requests answered with an error",
+                                value=st.failed_requests),
+            CounterMetricFamily("moe_gateway_retried_requests", "Requests retried on a replica after a worker "
+                                "failed", value=st.retried),
             CounterMetricFamily("moe_gateway_clients_accepted", "Client connections accepted",
                                 value=st.clients_accepted),
             GaugeMetricFamily("moe_gateway_clients_open", "Client connections open", value=st.clients_open),
-            GaugeMetricFamily("moe_gateway_queued_requests", "Requests waiting for a round", value=len(srv._queue)),
-            GaugeMetricFamily("moe_gateway_queued_tokens", "Tokens waiting for a round", value=srv._queued_tokens),
-            GaugeMetricFamily("moe_gateway_rounds_in_flight", "Rounds out at the workers", value=len(srv._rounds)),
+            GaugeMetricFamily("moe_gateway_queued_requests", "Requests waiting for a round",
+                              value=srv.queued_requests),
+            GaugeMetricFamily("moe_gateway_queued_tokens", "Tokens waiting for a round", value=srv.queued_tokens),
+            GaugeMetricFamily("moe_gateway_rounds_in_flight", "Rounds out at the workers",
+                              value=srv.rounds_in_flight),
         ]
         ec = CounterMetricFamily("moe_gateway_errors", "Error replies by code", labels=["code"])
         for code, n in sorted(list(st.errors.items())):
@@ -96,10 +111,9 @@ class GatewayMetrics:
         conns = []
         for w in list(pool.workers):
             lv = [str(w.index), w.url]
-            cur = "closed" if w.closed else "draining" if w.draining else "healthy" if w.healthy else "unhealthy"
             healthy.add_metric(lv, int(w.usable))
-            for s in ("healthy", "unhealthy", "draining", "closed"):
-                state.add_metric(lv + [s], int(s == cur))
+            for h in Health:
+                state.add_metric(lv + [h.value], int(w.state == h))
             out.add_metric(lv, w.outstanding_rows)
             sent.add_metric(lv, w.rows_sent)
             bsent.add_metric(lv, w.batches_sent)
@@ -107,7 +121,7 @@ class GatewayMetrics:
             comp.add_metric(lv, w.compute_seconds)
             for e, n in sorted(list(w.expert_rows.items())):
                 erows.add_metric(lv + [str(e)], n)
-            if not w.closed:
+            if w.conn is not None:
                 conns.append(("worker", w.conn))
         wver = GaugeMetricFamily("moe_gateway_worker_expert_version", "Active weights version per worker and "
                                  "expert, as the worker last said", labels=wl + ["expert"])
@@ -131,6 +145,7 @@ class GatewayMetrics:
             for side in ("old", "new"):
                 served.add_metric(lv + [side], up.served[side])
             fams += [frac, ust, served]
-        conns += [("client", c) for c in list(srv._clients)]
+        conns += [("client", c) for c in srv.clients()]
         fams.extend(transport_families(conns))
+        fams.extend(serve_families(srv.loop.stats, "gateway"))
         return fams

@@ -1,19 +1,19 @@
-"""The gateway's client-facing server: one thread, one Poller over the listener, every
-client connection and every worker connection.
+"""The gateway's client-facing server, on one serve loop with its worker pool.
 
-Dynamic batching: forward requests queue up as they land (their message kept, so the
-tokens stay where the transport put them). It is work-conserving: when no round is out,
-whatever arrived in the same wake-up goes at once (idle workers gain nothing from a wait);
-while rounds are out, a round goes when the queue holds ``max_batch_tokens``, when its
-oldest request has waited ``max_wait_ms`` (0: at once), or when ``max_batch_requests``
-are queued, and at most ``max_inflight_rounds`` rounds are out at a time (the next one
-fills while workers compute). The pool gathers each request's rows straight from the client's landed
-buffer into the worker send slots, so there is no batching copy; each request's output is
-combined straight into a slot of that client's connection, which becomes the reply.
+Forward requests queue up as they land (their message kept, so the tokens stay where the
+transport put them, and a request can be retried on a replica); gateway/batcher.py decides
+when the queue goes out as a round; the pool gathers each request's rows straight from the
+client's landed buffer into the worker send slots (no batching copy) and the server combines
+each finished request straight into a send slot of that client's connection, which becomes
+the reply. Requests finish one by one: a request whose workers answered is answered, whatever
+the other requests of its round wait for.
+
+A client that does not read its replies gets them held by the serve loop (bounded, then it
+is dropped); nobody else waits. Control operations (hot update) are accepted only on a
+connection that proved the shared secret.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import time
@@ -23,30 +23,25 @@ from typing import Any, Optional
 import numpy as np
 
 import transport
-from gateway.pool import BatchStats, NoHealthyWorker, Round, WorkerPool, WorkerState
-from gateway.update import DEFAULT_STEPS, UpdateError
-from transport import ConnectionClosed, ProtocolError, Timeout, TransportError
-from transport.poller import Poller
+from gateway.batcher import Batcher
+from gateway.pool import WorkerPool
+from gateway.rounds import BatchStats, Request
+from gateway.update import UpdateError
+from transport.service.loop import ServeLoop
 from workers import protocol as P
-from workers.daemon import WakePipe
 
 log = logging.getLogger("moe.gateway")
 
 MIN_SLOT_SIZE = 64 << 10
-POLL_TICK = 0.5
 
 
 @dataclass
-class _Pending:
+class _Client:
+    """What a queued or in-flight request needs to be answered."""
+
     conn: Any
     msg: Any
     request_id: int
-    x: np.ndarray
-    arrived: float
-
-    @property
-    def tokens(self) -> int:
-        return int(self.x.shape[0])
 
 
 @dataclass
@@ -57,7 +52,8 @@ class GatewayStats:
     replies: int = 0
     tokens: int = 0
     rounds: int = 0
-    failed_rounds: int = 0
+    retried: int = 0  # requests retried on a replica after a worker failed
+    failed_requests: int = 0
     max_round_requests: int = 0
     dropped: int = 0  # token-expert assignments dropped by the capacity factor
     overflow: int = 0  # assignments over capacity (dropped or spilled)
@@ -70,13 +66,14 @@ class GatewayStats:
     def error(self, code: str) -> None:
         self.errors[code] = self.errors.get(code, 0) + 1
 
-    def add_round(self, st: BatchStats, queue_s: float) -> None:
+    def add_round(self, st: BatchStats) -> None:
         self.rounds += 1
+        self.retried += st.retried
         self.max_round_requests = max(self.max_round_requests, st.requests)
         self.dropped += st.dropped
         self.overflow += st.overflow
         s = self.stage_seconds
-        s["queue"] += queue_s
+        s["queue"] += st.queue_s
         s["route"] += st.route_s
         s["dispatch"] += st.dispatch_s
         s["compute"] += st.compute_s
@@ -86,7 +83,7 @@ class GatewayStats:
 
     def as_dict(self) -> dict:
         return {"requests": self.requests, "replies": self.replies, "tokens": self.tokens,
-                "rounds": self.rounds, "failed_rounds": self.failed_rounds,
+                "rounds": self.rounds, "retried": self.retried, "failed_requests": self.failed_requests,
                 "max_round_requests": self.max_round_requests, "dropped": self.dropped,
                 "overflow": self.overflow,
                 "clients_accepted": self.clients_accepted, "clients_open": self.clients_open,
@@ -98,151 +95,103 @@ class GatewayServer:
 
     def __init__(self, pool: WorkerPool, listen_url: str, *, max_batch_tokens: Optional[int] = None,
                  max_wait_ms: float = 1.0, max_inflight_rounds: int = 2, max_batch_requests: int = 256,
-                 nslots: int = 8, io_timeout: float = 10.0, reply_timeout: float = 2.0,
-                 drain_timeout: float = 10.0) -> None:
+                 nslots: int = 8, io_timeout: float = 10.0, drain_timeout: float = 10.0,
+                 secret: Optional[bytes] = None, max_connections: int = 1024,
+                 idle_timeout: Optional[float] = 300.0) -> None:
         self.pool = pool
+        self.loop: ServeLoop = pool.loop
         self.max_batch_tokens = int(max_batch_tokens or pool.max_batch_tokens)
         if not 1 <= self.max_batch_tokens <= pool.max_batch_tokens:
             raise ValueError(f"max_batch_tokens must be in [1, {pool.max_batch_tokens}] (the pool's)")
-        self.max_wait = max(0.0, max_wait_ms) / 1000.0
-        self.max_inflight_rounds = max(1, int(max_inflight_rounds))
-        self.max_batch_requests = max(1, int(max_batch_requests))
-        self.io_timeout, self.reply_timeout, self.drain_timeout = io_timeout, reply_timeout, drain_timeout
+        self.batcher = Batcher(max_batch_tokens=self.max_batch_tokens, max_wait=max_wait_ms / 1000.0,
+                               max_inflight_rounds=max_inflight_rounds, max_batch_requests=max_batch_requests)
+        self.io_timeout, self.drain_timeout = io_timeout, drain_timeout
         slot_size = max(MIN_SLOT_SIZE, self.max_batch_tokens * pool.row_bytes)
-        self.listener = transport.listen(listen_url, slot_size=slot_size, nslots=nslots, timeout=io_timeout)
+        self.listener = transport.listen(listen_url, slot_size=slot_size, nslots=nslots, timeout=io_timeout,
+                                         secret=secret)
         self.url = self.listener.url
+        self.loop.add_listener(self.listener, self._handle, on_open=self._opened, on_close=self._closed,
+                               max_connections=max_connections, idle_timeout=idle_timeout, name="clients")
+        self.loop.add_tick(self._tick)
+        pool.on_round = self._round_done
         self.stats = GatewayStats()
-        self._queue: collections.deque[_Pending] = collections.deque()
-        self._queued_tokens = 0
-        self._clients: list = []
-        self._rounds: dict[int, Round] = {}
-        self._poller = Poller()
-        self._wake = WakePipe()
         self._stop = False
+        self._draining_since: Optional[float] = None
         self.on_round = None  # callable(BatchStats, queue_s) after each round (metrics)
+        self.on_request = None  # callable(seconds, ok) after each answered request (metrics)
 
-    # -- lifecycle -------------------------------------------------------------
+    # -- what others read --------------------------------------------------------------------
+    @property
+    def queued_requests(self) -> int:
+        return len(self.batcher)
+
+    @property
+    def queued_tokens(self) -> int:
+        return self.batcher.tokens
+
+    @property
+    def rounds_in_flight(self) -> int:
+        return self.pool.in_flight
+
+    def clients(self) -> list:
+        return self.loop.connections("clients")
+
+    # -- lifecycle ---------------------------------------------------------------------------
     def request_stop(self) -> None:
         """Stop accepting, answer what is queued and in flight, then return from serve()."""
         self._stop = True
-        self._wake.wake()
+        self.loop.wake()
 
     def serve(self) -> int:
-        poller = self._poller
-        poller.register(self._wake, ("wake", None))
-        poller.register(self.listener, ("listener", None))
-        self.pool.watch(poller, lambda w: ("worker", w))
-        draining_since: Optional[float] = None
         try:
-            while True:
-                if self._stop and draining_since is None:
-                    draining_since = time.monotonic()
-                    poller.unregister(self.listener)
-                    self.listener.close()
-                if draining_since is not None:
-                    if not self._queue and not self._rounds:
-                        return 0
-                    if time.monotonic() - draining_since > self.drain_timeout:
-                        log.warning("drain timed out with %d queued, %d rounds in flight",
-                                    len(self._queue), len(self._rounds))
-                        return 0
-                for obj, (role, data) in poller.poll(self._poll_timeout()):
-                    if role == "wake":
-                        self._wake.drain()
-                    elif role == "listener":
-                        self._accept()
-                    elif role == "client":
-                        self._serve_client(obj)
-                    else:
-                        self._worker_ready(data)
-                now = time.monotonic()
-                for rnd in self.pool.expire(now):
-                    self._finish(rnd)
-                self.pool.tick(now)
-                self._dispatch_ready(now, flush=draining_since is not None)
+            self.loop.run(until=self._drained)
         finally:
             self._close()
+        return 0
+
+    def _drained(self) -> bool:
+        if self._draining_since is None:
+            return False
+        if not self.batcher.queue and not self.pool.in_flight:
+            return True
+        if time.monotonic() - self._draining_since > self.drain_timeout:
+            log.warning("drain timed out with %d queued, %d rounds in flight", len(self.batcher),
+                        self.pool.in_flight)
+            return True
+        return False
 
     def _close(self) -> None:
-        for p in self._queue:
-            p.msg.release()
-        self._queue.clear()
-        for conn in list(self._clients):
-            self._drop_client(conn, None)
-        if not self._stop:
-            self.listener.close()
-        self.pool.unwatch(self._poller)
-        self._poller.close()
-        self._wake.close()
+        for client in self.batcher.remove(lambda c: False):
+            client.tag.msg.release()
+        self.loop.stop_accepting()
+        for conn in self.clients():
+            self.loop.close_connection(conn, None, abort=False)
 
-    def _poll_timeout(self) -> float:
-        now = time.monotonic()
-        t = POLL_TICK
-        if self._queue and len(self._rounds) < self.max_inflight_rounds:
-            t = min(t, max(0.0, self._queue[0].arrived + self.max_wait - now))
-        d = self.pool.next_deadline()
-        if d is not None:
-            t = min(t, max(0.0, d - now))
-        return t
-
-    # -- clients ---------------------------------------------------------------
-    def _accept(self) -> None:
-        try:
-            conn = self.listener.accept(timeout=1.0)
-        except Timeout:
-            return
-        except TransportError as e:
-            log.warning("rejected a client: %s", e)
-            return
-        self._clients.append(conn)
-        self._poller.register(conn, ("client", None))
+    def _opened(self, conn) -> None:
         self.stats.clients_accepted += 1
-        self.stats.clients_open = len(self._clients)
+        self.stats.clients_open = len(self.clients())
 
-    def _drop_client(self, conn, why: Optional[str]) -> None:
-        if why:
-            log.info("client %s: %s", conn.url, why)
-        self._poller.unregister(conn)
-        keep = collections.deque()
-        for p in self._queue:  # its queued requests go: nobody is left to answer
-            if p.conn is conn:
-                p.msg.release()
-                self._queued_tokens -= p.tokens
-            else:
-                keep.append(p)
-        self._queue = keep
-        conn.close()
-        if conn in self._clients:
-            self._clients.remove(conn)
-        self.stats.clients_open = len(self._clients)
+    def _closed(self, conn, why: Optional[str]) -> None:
+        self.stats.clients_open = len(self.clients())
+        for req in self.batcher.remove(lambda r: r.tag.conn is not conn):  # nobody is left to answer
+            req.tag.msg.release()
 
-    def _serve_client(self, conn) -> None:
-        for _ in range(64):
-            try:
-                msg = conn.recv(timeout=0)
-            except Timeout:
-                return
-            except (ConnectionClosed, ProtocolError) as e:
-                self._drop_client(conn, str(e))
-                return
-            try:
-                self._handle(conn, msg)
-            except TransportError as e:
-                self._drop_client(conn, f"reply failed: {e}")
-                return
-
+    # -- requests ----------------------------------------------------------------------------
     def _handle(self, conn, msg) -> None:
         rid = P.request_id_of(msg.header)
         try:
             op = P.parse_op(msg.header, (P.FORWARD, P.PING, P.UPDATE))
             if op == P.PING:
                 msg.release()
-                conn.send(self.pong(rid), timeout=self.io_timeout)
+                self.loop.send(conn, self.pong(rid))
                 return
             if op == P.UPDATE:
                 header = msg.header
                 msg.release()
-                conn.send({"op": P.UPDATE, "id": rid, "status": self.update(header)}, timeout=self.io_timeout)
+                if not conn.authenticated:
+                    raise P.RequestError(P.UNAUTHORIZED, "update is a control operation: it needs a connection "
+                                                         "that proved the shared secret (--secret-file)")
+                self.loop.send(conn, {"op": P.UPDATE, "id": rid, "status": self.update(header)})
                 return
             self.stats.requests += 1
             pool = self.pool
@@ -254,134 +203,105 @@ class GatewayServer:
         except P.RequestError as e:
             msg.release()
             self.stats.error(e.code)
-            conn.send(P.error_reply(rid, e.code, e.message), timeout=self.io_timeout)
+            self.loop.send(conn, P.error_reply(rid, e.code, e.message))
             return
+        if self._draining_since is not None:
+            msg.release()
+            self.stats.error(P.UNAVAILABLE)
+            self.loop.send(conn, P.error_reply(rid, P.UNAVAILABLE, "the gateway is shutting down"))
+            return
+        self.stats.tokens += batch.rows
         if batch.rows == 0:
             msg.release()
-            self._reply_result(conn, rid, np.empty((0, pool.d_model), pool.dtype), None)
+            self._reply(_Client(conn, None, rid), None)
             return
         x = msg.array(0, pool.dtype, (batch.rows, pool.d_model))
-        self._queue.append(_Pending(conn, msg, rid, x, time.monotonic()))
-        self._queued_tokens += batch.rows
-        self.stats.tokens += batch.rows
+        self.batcher.add(Request(x, _Client(conn, msg, rid)), batch.rows, time.monotonic())
 
     def update(self, h: dict) -> dict:
         """A hot-update command from a client (``moe-gateway update ...``): start, advance,
-        finish, rollback or status; see gateway/update.py. Bad ones are RequestErrors."""
+        finish, rollback or status; see gateway/rollout.py. Bad ones are RequestErrors."""
         action = h.get("action")
         try:
             if action == "start":
-                experts = h.get("experts")
-                version = h.get("version")
-                if not (isinstance(experts, list) and experts and all(type(e) is int for e in experts)):
-                    raise UpdateError(f"start needs experts: a list of expert ids, got {experts!r}")
-                if type(version) is not int or version < 0:
-                    raise UpdateError(f"start needs an integer version >= 0, got {version!r}")
-                interval = h.get("auto_interval")
-                return self.pool.update_start(experts, version, weights=h.get("weights"), seed=h.get("seed"),
-                                              steps=h.get("steps") or DEFAULT_STEPS,
-                                              auto_interval=None if interval is None else float(interval))
-            fraction = h.get("fraction")
-            return self.pool.update_command(str(action), None if fraction is None else float(fraction))
+                return self.pool.rollout.start(h.get("experts"), h.get("version"), weights=h.get("weights"),
+                                               seed=h.get("seed"), steps=h.get("steps"),
+                                               auto_interval=h.get("auto_interval"))
+            return self.pool.rollout.command(str(action), h.get("fraction"))
         except (UpdateError, TypeError, ValueError) as e:
             raise P.RequestError(P.BAD_REQUEST, f"update {action}: {e}") from None
 
     def pong(self, rid: Optional[int]) -> dict:
-        return {"op": P.PONG, "id": rid, "gateway": self.stats.as_dict(), "workers": self.pool.stats(),
-                "queued": len(self._queue), "rounds_in_flight": len(self._rounds),
-                "cpu_s": time.process_time(), "pid": os.getpid(),
-                "update": self.pool.update.status() if self.pool.update is not None else None,
-                "config": {"max_batch_tokens": self.max_batch_tokens, "max_wait_ms": self.max_wait * 1000,
-                           "max_inflight_rounds": self.max_inflight_rounds,
-                           "n_experts": self.pool.n_experts, "top_k": self.pool.router.top_k,
-                           "d_model": self.pool.d_model, "dtype": self.pool.dtype.name,
-                           "router": self.pool.router.describe()}}
-
-    # -- rounds ----------------------------------------------------------------
-    def _dispatch_ready(self, now: float, flush: bool = False) -> None:
-        while self._queue and len(self._rounds) < self.max_inflight_rounds:
-            # work-conserving: with no round out the workers are idle, and waiting for company
-            # would only add latency; while rounds are out, requests gather for the next one
-            due = (flush or self.max_wait == 0 or not self._rounds or self._queued_tokens >= self.max_batch_tokens
-                   or len(self._queue) >= self.max_batch_requests
-                   or now >= self._queue[0].arrived + self.max_wait)
-            if not due:
-                return
-            batch, tokens = [], 0
-            while (self._queue and len(batch) < self.max_batch_requests
-                   and tokens + self._queue[0].tokens <= self.max_batch_tokens):
-                p = self._queue.popleft()
-                batch.append(p)
-                tokens += p.tokens
-            self._queued_tokens -= tokens
-            rnd = self.pool.dispatch([p.x for p in batch], tag=(batch, now))
-            for p in batch:  # gathered into the worker slots: the client gets its slot back now
-                p.msg.release()
-                p.x = None
-            if rnd.finished:
-                self._finish(rnd)
-            else:
-                self._rounds[rnd.id] = rnd
-            for other in self.pool.take_finished():  # failed by a worker lost while sending
-                self._finish(other)
-
-    def _worker_ready(self, w: WorkerState) -> None:
-        for rnd in self.pool.on_ready(w):
-            self._finish(rnd)
-
-    def _finish(self, rnd: Round) -> None:
-        self._rounds.pop(rnd.id, None)
-        batch, dispatched_at = rnd.tag
-        queue_s = max(dispatched_at - p.arrived for p in batch) if batch else 0.0
-        if rnd.error is not None:
-            self.stats.failed_rounds += 1
-        try:
-            for i, p in enumerate(batch):
-                if p.conn.closed:
-                    continue
-                err = rnd.request_error(i)
-                try:
-                    if err is None:
-                        self._reply_result(p.conn, p.request_id, None, (rnd, i))
-                    else:
-                        code = P.UNAVAILABLE if isinstance(err, NoHealthyWorker) else \
-                            P.BAD_REQUEST if isinstance(err, ValueError) else P.WORKER_FAILED
-                        self.stats.error(code)
-                        p.conn.send(P.error_reply(p.request_id, code, str(err)), timeout=self.io_timeout)
-                except TransportError as e:
-                    self._drop_client(p.conn, f"reply failed: {e}")
-        finally:
-            rnd.release()
-        self.stats.add_round(rnd.stats, queue_s)
-        if self.on_round is not None:
-            self.on_round(rnd.stats, queue_s)
-
-    def _reply_result(self, conn, rid: int, y: Optional[np.ndarray], source) -> None:
         pool = self.pool
-        if source is None:
-            rows, timing = y.shape[0], None
-        else:
-            rnd, i = source
-            rows, timing = rnd.routing(i).num_tokens, rnd.stats
+        return {"op": P.PONG, "id": rid, "gateway": self.stats.as_dict(), "workers": pool.stats(),
+                "queued": len(self.batcher), "rounds_in_flight": pool.in_flight,
+                "cpu_s": time.process_time(), "pid": os.getpid(), "serve": self.loop.stats.as_dict(),
+                "update": pool.rollout.status(),
+                "config": {"max_batch_tokens": self.max_batch_tokens,
+                           "max_wait_ms": self.batcher.max_wait * 1000,
+                           "max_inflight_rounds": self.batcher.max_inflight_rounds,
+                           "n_experts": pool.n_experts, "top_k": pool.router.top_k,
+                           "d_model": pool.d_model, "dtype": pool.dtype.name,
+                           "router": pool.router.describe()}}
+
+    # -- rounds ------------------------------------------------------------------------------
+    def _tick(self, now: float) -> Optional[float]:
+        if self._stop and self._draining_since is None:
+            self._draining_since = now
+            self.loop.stop_accepting()
+        flush = self._draining_since is not None
+        while self.batcher.due(now, self.pool.in_flight, flush=flush):
+            self.pool.dispatch(self.batcher.take())
+        for req in self.pool.take_finished():
+            self._finish(req)
+        return self.batcher.next_due(self.pool.in_flight)
+
+    def _round_done(self, st: BatchStats) -> None:
+        self.stats.add_round(st)
+        if self.on_round is not None:
+            self.on_round(st, st.queue_s)
+
+    def _finish(self, req: Request) -> None:
+        client: _Client = req.tag
+        try:
+            if req.error is None:
+                self._reply(client, req)
+            else:
+                err = req.error
+                code = getattr(err, "code", None) or (P.BAD_REQUEST if isinstance(err, ValueError)
+                                                      else P.WORKER_FAILED)
+                self.stats.error(code)
+                self.stats.failed_requests += 1
+                self.loop.send(client.conn, P.error_reply(client.request_id, code, str(err)))
+                if self.on_request is not None:
+                    self.on_request(time.perf_counter() - req.arrived, False)
+        finally:
+            req.release()
+            client.msg.release()
+
+    def _reply(self, client: _Client, req: Optional[Request]) -> None:
+        pool = self.pool
+        rows = 0 if req is None else req.num_tokens
         shape = (rows, pool.d_model)
-        slot = conn.alloc(rows * pool.row_bytes, timeout=self.reply_timeout)
-        out = slot.array(pool.dtype, shape)
-        if source is not None:
-            try:
-                rnd.combine(i, out)  # straight into the reply slot
-            except BaseException:
-                slot.release()
-                raise
-        fields = {}
-        if timing is not None:
-            fields = {"round": rnd.id, "round_requests": timing.requests, "timing": {
-                "route_s": timing.route_s, "dispatch_s": timing.dispatch_s, "compute_s": timing.compute_s,
-                "wait_s": timing.wait_s, "combine_s": timing.combine_s}}
-            versions = rnd.versions(i)
-            if versions:
-                fields["versions"] = versions
-        conn.send(P.result_reply(rid, shape, pool.dtype, **fields), [slot], timeout=self.io_timeout)
-        self.stats.replies += 1
+
+        def fill(view: memoryview) -> dict:
+            fields: dict = {}
+            if req is not None:
+                out = np.frombuffer(view, dtype=pool.dtype, count=rows * pool.d_model).reshape(shape)
+                req.combine(out)  # straight into the reply slot
+                st = req.round.stats
+                fields = {"round": req.round.id, "round_requests": st.requests, "timing": {
+                    "route_s": st.route_s, "dispatch_s": st.dispatch_s, "compute_s": st.compute_s,
+                    "wait_s": st.wait_s, "combine_s": st.combine_s}}
+                versions = req.versions()
+                if versions:
+                    fields["versions"] = versions
+            return P.result_reply(client.request_id, shape, pool.dtype, **fields)
+
+        if self.loop.reply(client.conn, rows * pool.row_bytes, fill):
+            self.stats.replies += 1
+        if req is not None and self.on_request is not None:
+            self.on_request(time.perf_counter() - req.arrived, True)
 
 
 def install_signal_handlers(server: GatewayServer) -> None:
@@ -389,4 +309,3 @@ def install_signal_handlers(server: GatewayServer) -> None:
 
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     signal.signal(signal.SIGINT, lambda *_: server.request_stop())
-

@@ -236,14 +236,8 @@ def test_a_replica_takes_over_from_a_dead_worker(backend, reference):
             y_ref = reference.forward(x)[0]
             np.testing.assert_allclose(cl.forward(x), y_ref, **TOL)
             w0.kill()
-            failures = 0
-            for i in range(4):
-                try:
-                    np.testing.assert_allclose(cl.forward(x), y_ref, **TOL)
-                except P.RemoteError as e:
-                    assert e.code == P.WORKER_FAILED
-                    failures += 1
-            assert failures <= 1  # at most the batch in flight when it died
+            for i in range(4):  # every expert has a second copy: a dead worker costs no request
+                np.testing.assert_allclose(cl.forward(x), y_ref, **TOL)
             pong = cl.ping()
             assert pong["workers"][0]["closed"] and pong["workers"][1]["healthy"]
 
@@ -261,7 +255,8 @@ def test_stalled_worker_times_out_then_comes_back(backend, reference):
                 t = time.monotonic()
                 with pytest.raises(P.RemoteError) as info:
                     cl.forward(x)
-                assert info.value.code == P.WORKER_FAILED and "timeout" in info.value.message
+                # no replica: the request fails with `unavailable` once its part times out
+                assert info.value.code == P.UNAVAILABLE and "no reply" in info.value.message
                 assert time.monotonic() - t < 5.0
                 with pytest.raises(P.RemoteError) as info:  # unhealthy now: refused at once
                     cl.forward(x)
@@ -312,7 +307,7 @@ def test_a_killed_gateway_takes_its_local_workers_with_it(backend):
 # -- pure parts, no processes ------------------------------------------------------
 
 def test_choose_replicas_balances_load_and_splits_a_hot_expert():
-    from gateway.pool import choose_replicas
+    from gateway.replicas import choose_replicas
 
     counts = np.array([100, 30, 0, 10])
     hosts = {0: [0, 1], 1: [0], 3: [1, 2]}
@@ -329,7 +324,7 @@ def test_choose_replicas_balances_load_and_splits_a_hot_expert():
 
 
 def test_placement_spreads_experts_and_replicas():
-    from gateway.cli import placement
+    from gateway.supervisor import placement
 
     assert placement(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert placement(8, 3) == [[0, 1, 2], [3, 4, 5], [6, 7]]

@@ -36,12 +36,13 @@ OLD, NEW = reference(False), reference(True)
 
 
 @pytest.fixture(params=BACKENDS)
-def gateway(request):
+def gateway(request, tmp_path):
     problem = backend_problem(request.param)
     if problem:
         pytest.fail(problem)
     with Services() as s:
-        workers = [s.worker(request.param, ex, d_model=D, d_ff=F, seed=SEED, max_tokens=512) for ex in LAYOUT]
+        workers = [s.worker(request.param, ex, d_model=D, d_ff=F, seed=SEED, max_tokens=512,
+                            extra=["--update-dir", str(tmp_path)]) for ex in LAYOUT]
         yield s.gateway(request.param, workers=[w.url for w in workers], d_model=D, d_ff=F, n_experts=E,
                         top_k=2, seed=SEED, max_batch_tokens=128, max_wait_ms=2)
 
@@ -127,7 +128,7 @@ def test_update_under_load_drops_nothing_and_never_mixes_versions(gateway):
         load.close()
     assert not load.errors, load.errors[:3]
     gw = pong["gateway"]
-    assert gw["failed_rounds"] == 0 and gw["errors"] == {}
+    assert gw["failed_requests"] == 0 and gw["errors"] == {}
     kinds = [classify(x, y, v) for _, x, y, v in load.results]
     bounds = [m[1] for m in marks] + [len(kinds)]
     for (name, lo), hi in zip(marks, bounds[1:]):

@@ -66,7 +66,7 @@ def test_fixed_rate_on_our_gateway(tmp_path):
     assert r["ttft_ms"]["p50"] < r["e2e_ms"]["p50"]
     assert 0 < r["request_goodput"] == r["request_throughput"] and r["goodput_share"] == 1.0  # nothing near the default SLOs
     assert set(r["cpu_cores"]) == {"gateway", "worker0", "worker1", "load-generator"} and r["cpu_cores"]["gateway"] > 0
-    assert r["stage_ms"]["compute"] > 0 and r["failed_rounds"] == 0
+    assert r["stage_ms"]["compute"] > 0 and r["failed_requests"] == 0
     # the model of the all-to-all volume is what the transport counted (payload bytes)
     cv = doc["models"]["comm_volume"]
     assert cv["total_bytes"] == 2 * cv["assignments"] * 256 * 4

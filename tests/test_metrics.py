@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.client import GatewayClient
 from tests.helpers_procs import BACKENDS, backend_problem, listen_url, wait_until
-from workers.cli import blas_env, spawn_service, stop_process
+from transport.service.launch import blas_env, spawn_service, stop_process
 
 D, F, E, K, SEED = 16, 32, 4, 2, 3
 REQUESTS = [7, 12, 5, 20]  # tokens per request
@@ -90,7 +90,7 @@ def test_scrape_counts_match_what_was_sent(stack):
     assert total(gw, "moe_gateway_replies_total") == len(REQUESTS)
     assert total(gw, "moe_gateway_tokens_total") == tokens
     assert total(gw, "moe_gateway_rounds_total") == len(REQUESTS)  # max-wait 0, one client in turn
-    assert total(gw, "moe_gateway_failed_rounds_total") == 0
+    assert total(gw, "moe_gateway_failed_requests_total") == 0
     for stage in ("route", "dispatch", "compute", "wait", "combine"):
         assert total(gw, "moe_gateway_stage_seconds_count", stage=stage) == len(REQUESTS), stage
         assert total(gw, "moe_gateway_stage_seconds_bucket", stage=stage, le="+Inf") == len(REQUESTS)

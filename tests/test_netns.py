@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from gateway.reference import ReferenceMoE
-from workers.cli import blas_env, spawn_service, stop_process, worker_argv
+from transport.service.launch import blas_env, spawn_service, stop_process
+from workers.cli import worker_argv
 
 D, F, E, K, SEED = 16, 32, 4, 2, 3
 pytestmark = pytest.mark.timeout(120)

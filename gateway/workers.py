@@ -1,0 +1,418 @@
+"""The gateway's worker connections and their health; no rounds, no routing.
+
+Each worker has a :class:`WorkerLink`: its URL, connection, what it hosts (from its
+``info``), counters, and a health state::
+
+    healthy ──no answer to a ping / a round in time──▶ unhealthy ──it answers──▶ healthy
+       │  ▲                                                │
+       │  └────────────── reconnected, same shape ◀── lost ◀┘ connection gone
+       └──draining notice──▶ draining (no new work; lost when it goes)
+    lost ──came back with another shape or expert set──▶ refused (retried slowly, reported)
+
+Only ``healthy`` workers get new work. A lost worker is reconnected in the background with a
+growing back-off (never blocking the serve loop: the connect, handshake and ``info`` run in a
+thread and the result is posted back to the loop), and taken back when it answers again at
+its URL with the same shape; a supervisor (local workers, Ray) may move a worker to a new URL
+with :meth:`WorkerSet.set_url`. A heartbeat ping to every worker finds the hung ones (stopped,
+deadlocked) that still hold their connection open.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+import transport
+from transport import ConnectionClosed, Timeout, TransportError
+from workers import protocol as P
+
+log = logging.getLogger("moe.workers")
+
+HEARTBEAT_INTERVAL = 0.5  # a worker not heard from for this long is pinged
+HEARTBEAT_TIMEOUT = 2.0  # a ping unanswered this long makes the worker unhealthy
+RECONNECT_BACKOFF = (0.05, 0.5)  # first and longest wait between reconnection attempts
+REFUSED_BACKOFF = 5.0  # a worker that came back wrong is retried this slowly
+CONNECT_ATTEMPT = 2.0  # one reconnection attempt (connect, handshake, info) at most
+MIN_SLOT_SIZE = 64 << 10
+
+
+class Health(str, enum.Enum):
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    DRAINING = "draining"
+    LOST = "lost"
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What every worker must serve for this gateway (checked at every (re)connect)."""
+
+    d_model: int
+    dtype: np.dtype
+    max_rows: int  # the most rows one round may send one worker
+    n_experts: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.d_model * self.dtype.itemsize
+
+
+@dataclass
+class WorkerLink:
+    """What the gateway knows about one worker (index = its column in dispatch plans)."""
+
+    index: int
+    url: str
+    conn: Any = None
+    experts: list = field(default_factory=list)
+    versions: dict = field(default_factory=dict)  # expert -> active version
+    held: dict = field(default_factory=dict)  # expert -> versions the worker holds
+    max_tokens: int = 0
+    d_ff: Optional[int] = None  # as its info said (reported, not needed by the gateway)
+    state: Health = Health.LOST
+    why: str = ""  # the last failure, for error messages
+    outstanding_rows: int = 0
+    rows_sent: int = 0
+    batches_sent: int = 0
+    failures: int = 0
+    reconnects: int = 0
+    compute_seconds: float = 0.0
+    expert_rows: dict = field(default_factory=dict)  # expert_id -> rows sent
+    cpu_s: float = 0.0  # the worker process's CPU seconds, as its last reply said
+    pid: Optional[int] = None
+    last_heard: float = 0.0
+    ping_sent: Optional[float] = None
+    next_attempt: float = 0.0
+    backoff: float = 0.0
+    connecting: bool = False
+
+    @property
+    def usable(self) -> bool:
+        return self.state == Health.HEALTHY
+
+    @property
+    def connected(self) -> bool:
+        return self.conn is not None
+
+    # today's names, kept for the metrics and tests that read them
+    @property
+    def healthy(self) -> bool:
+        return self.state in (Health.HEALTHY, Health.DRAINING)
+
+    @property
+    def draining(self) -> bool:
+        return self.state == Health.DRAINING
+
+    @property
+    def closed(self) -> bool:
+        return self.conn is None
+
+    def describe(self) -> str:
+        s = self.state.value
+        return f"{self.url} [{s}{': ' + self.why if self.why and s != 'healthy' else ''}]"
+
+    def as_dict(self) -> dict:
+        return {"url": self.url, "state": self.state.value, "experts": list(self.experts), "d_ff": self.d_ff,
+                "healthy": self.usable, "draining": self.draining, "closed": self.closed, "why": self.why,
+                "outstanding_rows": self.outstanding_rows, "rows_sent": self.rows_sent,
+                "batches_sent": self.batches_sent, "failures": self.failures, "reconnects": self.reconnects,
+                "compute_seconds": self.compute_seconds, "cpu_s": self.cpu_s, "pid": self.pid,
+                "versions": [[e, v, sorted(self.held.get(e, {v}))] for e, v in sorted(self.versions.items())],
+                "expert_rows": [[e, n] for e, n in sorted(self.expert_rows.items())],
+                "transport": self.conn.stats.as_dict() if self.conn is not None else {}}
+
+
+def _hello(conn, shape: LayerShape, url: str, timeout: float) -> dict:
+    """Ask a freshly connected worker for its info and check it serves ``shape``."""
+    conn.send(P.request(P.INFO, 0), timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = conn.recv(timeout=max(0.0, deadline - time.monotonic()))
+        h = msg.header
+        msg.release()
+        if isinstance(h, dict) and h.get("op") in (P.INFO, P.ERROR) and h.get("id") == 0:
+            break
+    P.raise_if_error(h, url)
+    if h.get("d_model") != shape.d_model or h.get("dtype") != shape.dtype.name:
+        raise ValueError(f"worker {url} serves d_model={h.get('d_model')} {h.get('dtype')}, "
+                         f"the gateway needs d_model={shape.d_model} {shape.dtype.name}")
+    max_tokens = int(h.get("max_tokens", 0))
+    if max_tokens < shape.max_rows or conn.max_message < shape.max_rows * shape.row_bytes:
+        raise ValueError(
+            f"worker {url} takes batches of at most {max_tokens} rows ({conn.max_message} bytes) but "
+            f"this gateway may send {shape.max_rows} rows; start it with --max-tokens >= {shape.max_rows} "
+            f"or lower the gateway's --max-batch-tokens")
+    return h
+
+
+class WorkerSet:
+    """Every worker's link: connect, watch health, reconnect.
+
+    ``post(fn)`` runs ``fn`` on the owner's loop thread (ServeLoop.call_soon_threadsafe);
+    ``on_up(w)`` / ``on_down(w, why)`` tell the owner when a worker's connection appears or
+    goes (to watch it in a poller; to fail or retry what was in flight on it).
+    """
+
+    def __init__(self, urls: Sequence[str], shape: LayerShape, *, nslots: int = 8, timeout: float = 10.0,
+                 secret: Optional[bytes] = None, post: Optional[Callable[[Callable[[], None]], None]] = None,
+                 heartbeat: float = HEARTBEAT_INTERVAL, heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
+        if not urls:
+            raise ValueError("a gateway needs at least one worker URL")
+        self.shape = shape
+        self.nslots = nslots
+        self.timeout = timeout
+        self.secret = secret
+        self.slot_size = max(MIN_SLOT_SIZE, shape.max_rows * shape.row_bytes)
+        self.heartbeat, self.heartbeat_timeout = heartbeat, heartbeat_timeout
+        self.links = [WorkerLink(i, u) for i, u in enumerate(urls)]
+        self.post = post
+        self.on_up: list[Callable[[WorkerLink], None]] = []
+        self.on_down: list[Callable[[WorkerLink, str], None]] = []
+        self.on_message: Callable[[WorkerLink, Any], None] = lambda w, msg: msg.release()
+        self._closed = False
+
+    def __iter__(self):
+        return iter(self.links)
+
+    def __len__(self) -> int:
+        return len(self.links)
+
+    def __getitem__(self, i: int) -> WorkerLink:
+        return self.links[i]
+
+    # -- connecting ------------------------------------------------------------------------
+    def _connect(self, url: str, timeout: float):
+        conn = transport.connect(url, slot_size=self.slot_size, nslots=self.nslots, timeout=timeout,
+                                 secret=self.secret)
+        try:
+            info = _hello(conn, self.shape, url, timeout)
+        except BaseException:
+            conn.close()
+            raise
+        return conn, info
+
+    def connect_all(self, connect_timeout: float) -> None:
+        """The first connection to every worker, retried until ``connect_timeout`` (workers
+        may still be starting); raises with every worker's reason if one never answers."""
+        deadline = time.monotonic() + connect_timeout
+        for w in self.links:
+            delay = RECONNECT_BACKOFF[0]
+            while True:
+                try:
+                    conn, info = self._connect(w.url, max(0.5, min(self.timeout, deadline - time.monotonic())))
+                    break
+                except transport.Refused:  # it answered, and the answer is no: final
+                    raise
+                except (ConnectionClosed, Timeout) as e:  # not up yet: retry
+                    if time.monotonic() + delay >= deadline:
+                        raise ConnectionClosed(f"worker {w.url} did not answer within {connect_timeout:.0f} s: "
+                                               f"{e}") from None
+                    time.sleep(delay)
+                    delay = min(RECONNECT_BACKOFF[1], delay * 2)
+            self._attach(w, conn, info, first=True)
+        missing = [e for e in range(self.shape.n_experts) if not any(e in w.experts for w in self.links)]
+        if missing:
+            raise ValueError(f"experts {missing} are hosted by no worker of {[w.url for w in self.links]}")
+
+    def _attach(self, w: WorkerLink, conn, info: dict, first: bool = False) -> None:
+        experts = sorted(int(e) for e in info.get("experts", []))
+        if not first and w.experts and experts != w.experts:
+            conn.close()
+            self._refuse(w, f"came back hosting experts {experts}, not {w.experts}")
+            return
+        w.conn = conn
+        w.experts = experts
+        self.set_versions(w, info.get("versions", []))
+        w.max_tokens = int(info.get("max_tokens", 0))
+        w.d_ff = info.get("d_ff")
+        w.pid = info.get("pid")
+        w.state, w.why = Health.HEALTHY, ""
+        w.backoff = 0.0
+        w.last_heard = time.monotonic()
+        w.ping_sent = None
+        bad = [e for e in w.experts if not 0 <= e < self.shape.n_experts]
+        if bad:
+            log.warning("worker %s hosts experts %s beyond the layer's %d", w.url, bad, self.shape.n_experts)
+        if not first:
+            w.reconnects += 1
+            log.warning("worker %s is back (pid %s)", w.url, w.pid)
+        for fn in self.on_up:
+            fn(w)
+
+    def _refuse(self, w: WorkerLink, why: str) -> None:
+        w.state, w.why = Health.REFUSED, why
+        w.next_attempt = time.monotonic() + REFUSED_BACKOFF
+        log.error("worker %s refused: %s", w.url, why)
+
+    def set_url(self, index: int, url: str) -> None:
+        """A supervisor moved worker ``index`` (respawned elsewhere): reconnect there now."""
+        w = self.links[index]
+        if w.url == url and w.connected:
+            return
+        if w.connected:
+            self.lost(w, f"moved to {url}")
+        w.url = url
+        w.next_attempt = 0.0
+        w.backoff = 0.0
+
+    # -- health ----------------------------------------------------------------------------
+    @staticmethod
+    def set_versions(w: WorkerLink, versions: list) -> None:
+        """From info/pong: [[expert, active, [held, ...]], ...]."""
+        w.versions = {int(v[0]): int(v[1]) for v in versions}
+        w.held = {int(v[0]): set(int(x) for x in (v[2] if len(v) > 2 else [v[1]])) for v in versions}
+
+    def heard(self, w: WorkerLink) -> None:
+        """A message came from ``w``: it is alive."""
+        w.last_heard = time.monotonic()
+        w.ping_sent = None
+        if w.state == Health.UNHEALTHY:
+            log.info("worker %s is healthy again", w.url)
+            w.state, w.why = Health.HEALTHY, ""
+
+    def mark_unhealthy(self, w: WorkerLink, why: str) -> None:
+        if w.state == Health.HEALTHY:
+            log.warning("worker %s: %s", w.url, why)
+            w.state = Health.UNHEALTHY
+        w.failures += 1
+        w.why = why
+
+    def on_notice(self, w: WorkerLink, h: dict) -> None:
+        """An unsolicited or health message (draining, pong, info)."""
+        op = h.get("op")
+        if op == P.DRAINING:
+            log.info("worker %s is draining: no new work goes to it", w.url)
+            w.state, w.why = Health.DRAINING, "draining"
+        elif op == P.PONG:
+            if "versions" in h:
+                self.set_versions(w, h["versions"])
+            w.cpu_s = float(h.get("cpu_s", w.cpu_s))
+            if h.get("draining"):
+                w.state, w.why = Health.DRAINING, "draining"
+        elif op != P.INFO:
+            log.warning("unexpected message from worker %s: %r", w.url, h)
+
+    def lost(self, w: WorkerLink, why: str) -> None:
+        """``w``'s connection is gone (or unusable): tell the owner, close it, reconnect later."""
+        if w.conn is None:
+            return
+        w.failures += 1
+        w.state, w.why = Health.LOST, why
+        w.ping_sent = None
+        w.backoff = RECONNECT_BACKOFF[0]
+        w.next_attempt = time.monotonic() + w.backoff
+        log.warning("worker %s lost: %s", w.url, why)
+        for fn in self.on_down:  # the owner unwatches it (before close: its fd may be reused at once)
+            fn(w, why)
+        conn, w.conn = w.conn, None
+        try:
+            conn.close()
+        except TransportError:
+            pass
+
+    def send(self, w: WorkerLink, header: dict, buffers=()) -> bool:
+        """Send without waiting (a worker that cannot take it now is a failure of that send)."""
+        if w.conn is None:
+            for b in buffers:
+                if hasattr(b, "pool"):
+                    b.release()
+            return False
+        if not w.conn.send_ready():
+            for b in buffers:
+                if hasattr(b, "pool"):
+                    b.release()
+            self.mark_unhealthy(w, "its connection takes no more messages (it holds every credit)")
+            return False
+        try:
+            w.conn.send(header, buffers, timeout=min(1.0, self.timeout))
+            return True
+        except Timeout:
+            self.mark_unhealthy(w, "send timed out")
+        except (TransportError, ValueError) as e:
+            self.lost(w, f"send failed: {e}")
+        return False
+
+    def read(self, w: WorkerLink, batch: int = 64) -> None:
+        """Take what ``w`` has ready (call when its connection polls readable)."""
+        for _ in range(batch):
+            conn = w.conn
+            if conn is None:
+                return
+            try:
+                msg = conn.recv(timeout=0)
+            except Timeout:
+                return
+            except TransportError as e:  # ConnectionClosed, ProtocolError
+                self.lost(w, f"connection lost: {e}")
+                return
+            self.heard(w)
+            self.on_message(w, msg)
+
+    def tick(self, now: float) -> Optional[float]:
+        """Heartbeats and reconnections; returns when it next wants to run."""
+        nxt = now + self.heartbeat
+        for w in self.links:
+            if w.conn is not None:
+                if w.ping_sent is not None and now - w.ping_sent > self.heartbeat_timeout:
+                    self.mark_unhealthy(w, f"no answer to a ping for {now - w.ping_sent:.1f} s")
+                    w.ping_sent = now  # ping again, and report again, a timeout later
+                    self.send(w, P.request(P.PING, -1))
+                elif w.ping_sent is None and now - w.last_heard >= self.heartbeat:
+                    w.ping_sent = now
+                    self.send(w, P.request(P.PING, -1))
+            elif not w.connecting and now >= w.next_attempt and not self._closed:
+                self._reconnect(w)
+            elif not w.connecting:
+                nxt = min(nxt, w.next_attempt)
+        return nxt
+
+    def _reconnect(self, w: WorkerLink) -> None:
+        """One attempt in a thread; the outcome is posted to the loop."""
+        w.connecting = True
+        url = w.url
+
+        def attempt() -> None:
+            try:
+                conn, info = self._connect(url, CONNECT_ATTEMPT)
+                result: Any = (conn, info)
+            except Exception as e:  # reported on the loop
+                result = e
+            post = self.post
+            if post is None:
+                if not isinstance(result, Exception):
+                    result[0].close()
+                return
+            post(lambda: self._reconnected(w, url, result))
+
+        threading.Thread(target=attempt, daemon=True, name=f"reconnect-{w.index}").start()
+
+    def _reconnected(self, w: WorkerLink, url: str, result: Any) -> None:
+        w.connecting = False
+        if self._closed or url != w.url:  # closed meanwhile, or moved: this attempt is stale
+            if not isinstance(result, Exception):
+                result[0].close()
+            return
+        if isinstance(result, Exception):
+            if isinstance(result, (ValueError, P.RemoteError, transport.Refused)):
+                self._refuse(w, str(result))  # it answered, and the answer is no: retry slowly
+                return
+            w.why = f"reconnecting: {result}"
+            w.backoff = min(RECONNECT_BACKOFF[1], max(RECONNECT_BACKOFF[0], w.backoff * 2))
+            w.next_attempt = time.monotonic() + w.backoff
+            return
+        self._attach(w, *result)
+
+    def close(self) -> None:
+        self._closed = True
+        for w in self.links:
+            if w.conn is not None:
+                for fn in self.on_down:
+                    fn(w, "the gateway is closing")
+                conn, w.conn = w.conn, None
+                conn.close()

@@ -1,0 +1,221 @@
+"""The gateway's batching, per-worker failure handling and hot update, in one process: a real
+WorkerPool and GatewayServer on one serve loop (in a thread), fake workers
+(workers/testing.py) on theirs, real connections between them. Each test takes well under a
+second (no processes, no signals)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gateway.client import GatewayClient
+from gateway.pool import WorkerPool
+from gateway.router import Router
+from gateway.server import GatewayServer
+from workers import protocol as P
+from tests.helpers_procs import secret as secret_of_session
+from workers.testing import FakeWorker, fake_layer_output
+
+D, E, K = 8, 4, 2
+pytestmark = pytest.mark.timeout(30)
+
+
+def tokens(n, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, D)).astype(np.float32)
+
+
+class Stack:
+    """Fake workers, a pool and a server on its own loop thread; a client per test. Every
+    end shares ``secret`` (default: the test session's), as a deployment would."""
+
+    def __init__(self, layout, *, worker_timeout=5.0, max_wait_ms=0.0, secret=b"", **server_kw):
+        secret = secret_of_session() if secret == b"" else secret
+        self.workers = [FakeWorker(ex, d_model=D, secret=secret) for ex in layout]
+        self.router = Router(D, E, K, seed=3)
+        self.pool = WorkerPool([w.url for w in self.workers], self.router, max_batch_tokens=256,
+                               timeout=worker_timeout, connect_timeout=5, secret=secret)
+        self.server = GatewayServer(self.pool, "tcp://127.0.0.1:0", max_wait_ms=max_wait_ms, secret=secret,
+                                    **server_kw)
+        self.thread = threading.Thread(target=self.server.serve, daemon=True)
+        self.thread.start()
+
+    def expected(self, x, versions=None):
+        return fake_layer_output(x, self.router.route(x), versions)
+
+    def close(self):
+        self.server.request_stop()
+        self.thread.join(10)
+        self.pool.close()
+        for w in self.workers:
+            w.close()
+
+
+def _stack(layout, **kw):
+    return Stack(layout, **kw)
+
+
+def test_forward_equals_the_fake_reference():
+    s = _stack([[0, 1], [2, 3]])
+    try:
+        with GatewayClient(s.server.url, timeout=5) as c:
+            for seed in range(3):
+                x = tokens(17, seed)
+                np.testing.assert_allclose(c.forward(x), s.expected(x), rtol=1e-5, atol=1e-6)
+    finally:
+        s.close()
+
+
+def test_requests_arriving_while_a_round_is_out_share_the_next_round():
+    s = _stack([[0, 1], [2, 3]], max_wait_ms=50.0)
+    try:
+        s.workers[0].delay = s.workers[1].delay = 0.1  # the first round stays out a while
+        xs = [tokens(8, seed) for seed in range(5)]
+        with GatewayClient(s.server.url, timeout=5) as c:
+            ids = [c.submit(x) for x in xs]
+            ys = [c.result(i) for i in ids]
+        for x, y in zip(xs, ys):
+            np.testing.assert_allclose(y, s.expected(x), rtol=1e-5, atol=1e-6)
+        st = s.server.stats
+        assert st.rounds < len(xs) and st.max_round_requests >= 2, st
+    finally:
+        s.close()
+
+
+def test_a_hung_worker_delays_only_the_requests_that_need_it():
+    """Worker 1 (experts 2, 3) hangs: requests routed only to experts 0, 1 are answered at
+    once; the others fail with `unavailable` when their part times out, then at once."""
+    s = _stack([[0, 1], [2, 3]], worker_timeout=0.4)
+    try:
+        router = s.router
+        pick = lambda want: next(x for x in (tokens(1, seed) for seed in range(2000))  # noqa: E731
+                                 if set(router.route(x).topk_idx.ravel()) <= want)
+        x_fast, x_slow = pick({0, 1}), pick({2, 3})
+        s.workers[1].hang = True
+        with GatewayClient(s.server.url, timeout=5) as c:
+            slow = c.submit(x_slow)
+            t = time.monotonic()
+            np.testing.assert_allclose(c.forward(x_fast), s.expected(x_fast), rtol=1e-5)
+            assert time.monotonic() - t < 0.3  # not behind the hung worker's request
+            with pytest.raises(P.RemoteError) as e:
+                c.result(slow)
+            assert e.value.code == P.UNAVAILABLE and "no reply" in e.value.message
+            t = time.monotonic()
+            with pytest.raises(P.RemoteError) as e:  # unhealthy now: refused at once
+                c.forward(x_slow)
+            assert e.value.code == P.UNAVAILABLE and time.monotonic() - t < 0.2
+            s.workers[1].hang = False  # it answers pings again: taken back
+            deadline = time.monotonic() + 5
+            while True:
+                try:
+                    np.testing.assert_allclose(c.forward(x_slow), s.expected(x_slow), rtol=1e-5)
+                    break
+                except P.RemoteError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+    finally:
+        s.close()
+
+
+def test_a_dead_worker_with_replicas_costs_no_request():
+    s = _stack([[0, 1, 2, 3], [0, 1, 2, 3]])
+    try:
+        with GatewayClient(s.server.url, timeout=5) as c:
+            ids = [c.submit(tokens(16, seed)) for seed in range(4)]
+            s.workers[0].crash()  # mid-traffic
+            ids += [c.submit(tokens(16, seed)) for seed in range(4, 8)]
+            for seed, i in enumerate(ids):
+                x = tokens(16, seed)
+                np.testing.assert_allclose(c.result(i), s.expected(x), rtol=1e-5, atol=1e-6)
+    finally:
+        s.close()
+
+
+def test_a_worker_that_fails_its_part_is_retried_on_a_replica_once():
+    s = _stack([[0, 1, 2, 3], [0, 1, 2, 3]])
+    try:
+        s.workers[0].fail = True
+        with GatewayClient(s.server.url, timeout=5) as c:
+            for seed in range(4):
+                x = tokens(16, seed)
+                np.testing.assert_allclose(c.forward(x), s.expected(x), rtol=1e-5, atol=1e-6)
+        assert s.server.stats.retried >= 1
+        s.workers[1].fail = True  # both fail: the retry fails too, with the worker's error
+        with GatewayClient(s.server.url, timeout=5) as c:
+            with pytest.raises(P.RemoteError) as e:
+                c.forward(tokens(16, 9))
+            assert e.value.code == P.WORKER_FAILED and "fake failure" in e.value.message
+    finally:
+        s.close()
+
+
+def test_hot_update_pins_whole_requests_and_ends():
+    s = _stack([[0, 1], [2, 3]])
+    try:
+        with GatewayClient(s.server.url, timeout=5) as c:
+            st = c.update("start", experts=[1], version=2, seed=5)
+            deadline = time.monotonic() + 5
+            while st["state"] == "loading":
+                assert time.monotonic() < deadline
+                st = c.update("status")
+            assert st["state"] == "shifting"
+            st = c.update("advance", fraction=0.5)
+            seen = set()
+            for seed in range(8):
+                x = tokens(12, seed)
+                y = c.forward(x)
+                v = dict(c.last_versions or [])[1]
+                seen.add(v)
+                np.testing.assert_allclose(y, s.expected(x, {1: v}), rtol=1e-5, atol=1e-6)
+            assert seen == {0, 2}  # at 50%, both versions serve, each a whole request
+            st = c.update("finish")
+            while st["state"] == "finishing":
+                st = c.update("status")
+            assert st["state"] == "done" and s.workers[0].active[1] == 2
+            # a refused start leaves the machine as it was (no wedge)
+            for bad in ({"experts": [9], "version": 3, "seed": 1}, {"experts": [1], "version": "x", "seed": 1},
+                        {"experts": [1], "version": 3, "seed": "nope"}, {"experts": [1], "version": 3}):
+                with pytest.raises(P.RemoteError):
+                    c.update("start", **bad)
+                assert c.update("status")["state"] == "done"
+    finally:
+        s.close()
+
+
+def _raw_request(conn, header):
+    conn.send(header, timeout=5)
+    with conn.recv(timeout=5) as msg:
+        return msg.header
+
+
+def test_connections_and_control_need_the_secret():
+    """A client without the gateway's secret cannot connect; on a gateway run without one
+    (so no connection is authenticated) the hot update is refused, forwards are served."""
+    import transport
+
+    s = _stack([[0, 1], [2, 3]])
+    try:
+        with pytest.raises(transport.AuthenticationError):
+            transport.connect(s.server.url, slot_size=1 << 16, nslots=2, timeout=5)
+        with GatewayClient(s.server.url, timeout=5) as c:  # finds the session's secret
+            assert c.update("status")["state"] == "none"
+    finally:
+        s.close()
+    s = _stack([[0, 1], [2, 3]], secret=None)
+    try:
+        conn = transport.connect(s.server.url, slot_size=1 << 16, nslots=2, timeout=5)
+        try:
+            h = _raw_request(conn, P.request(P.UPDATE, 1, action="status"))
+            assert h["op"] == P.ERROR and h["code"] == P.UNAUTHORIZED
+            x = tokens(4)
+            slot = conn.alloc(x.nbytes)
+            np.copyto(slot.array(x.dtype, x.shape), x)
+            conn.send(P.forward_request(2, x.shape, x.dtype), [slot], timeout=5)
+            with conn.recv(timeout=5) as msg:
+                assert msg.header["op"] == P.RESULT
+                np.testing.assert_allclose(msg.array(0, np.float32, x.shape), s.expected(x), rtol=1e-5)
+        finally:
+            conn.close()
+    finally:
+        s.close()
