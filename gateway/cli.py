@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="model width (default: what the workers serve with --workers, else 256)")
     moe.add_argument("--d-ff", type=int, default=512, help="local workers: expert hidden width")
     moe.add_argument("--dtype", default=None, choices=["float32", "float64"],
-                     help="activation dtype (default: the workers' with --workers, else float32)")
+                     help="activation dtype (default: the workers' when --d-model is not given either, "
+                          "else float32)")
     moe.add_argument("--seed", type=int, default=0, help="seed of the router and of the local workers' weights")
     moe.add_argument("--capacity-factor", type=float, default=None,
                      help="tokens per expert at most: factor x tokens x top_k / experts (default: no limit)")
@@ -174,9 +175,9 @@ def serve_main(args) -> int:
             secret, secret_path = secrets.create_default()
         options.check_exposure(args.listen, secret, args.insecure, "moe-gateway")
         urls = [u.strip() for u in args.workers.split(",") if u.strip()] if args.workers else None
-        if urls and (args.d_model is None or args.dtype is None):
+        if urls and args.d_model is None:  # (one extra connection: only when the user did not say)
             info = probe_layer(urls[0], secret, args.connect_timeout)
-            args.d_model = args.d_model or int(info["d_model"])
+            args.d_model = int(info["d_model"])
             args.dtype = args.dtype or str(info["dtype"])
         args.d_model = args.d_model or 256
         args.dtype = args.dtype or "float32"
