@@ -35,7 +35,7 @@ What a backend must provide for the kit (the contract in transport/base.py, plus
 
 - ``listen(url, slot_size=, nslots=, timeout=)`` and ``connect(url, ...same...)``
   accept those three keywords; ``listener.url`` is a URL a client can connect to;
-- ``conn._send_raw(frame: bytes)`` puts ``frame`` (a framing.py frame: prefix, header,
+- a raw-frame sender in transport.testing.raw puts ``frame`` (a framing.py frame: prefix, header,
   payload back to back) on the wire/ring as if it were a frame, with no checks;
 - ``conn.in_registered_memory(buf)``, ``conn.stats`` (ConnectionStats), ``conn.pending()``,
   ``conn.fileno()`` that polls readable when ``recv`` can make progress;
@@ -68,6 +68,7 @@ from transport import framing
 from transport.errors import ConnectionClosed, ProtocolError, Timeout
 from transport.framing import Kind
 from transport.poller import Poller
+from transport.testing import raw
 
 __all__ = ["CHECKS", "PairEnv", "check_ids", "run_check", "pattern", "verify"]
 
@@ -958,7 +959,7 @@ def check_malformed_frames(env: PairEnv) -> None:
     cases = _bad_frames(client.max_message)
     for what, frame in cases:
         roundtrip(client, server)
-        client._send_raw(frame)
+        raw.send_raw(client, frame)
         err, dt = timed(lambda: server.recv(timeout=5))
         assert isinstance(err, ProtocolError), f"{what}: the receiver got {err!r} after {dt:.2f} s"
         assert server.closed, f"{what}: the connection was not closed after ProtocolError"
