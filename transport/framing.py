@@ -136,17 +136,6 @@ def decode_header(buf, payload_len: int) -> tuple[Any, list[int], Any]:
     return user, lens, extra
 
 
-def _header_fast(view, payload_len: int) -> tuple[Any, list[int], Any]:
-    """decode_header with the one-buffer case (nearly every message) checked inline."""
-    try:
-        header, lens, extra = _unpackb(view, strict_map_key=False)
-        if lens.__class__ is list and len(lens) == 1 and lens[0] == payload_len and lens[0].__class__ is int:
-            return header, lens, extra
-    except Exception:
-        pass  # anything else gets the full validation (and its ProtocolError)
-    return decode_header(view, payload_len)
-
-
 def encode_hello(params: dict) -> list[bytes]:
     body = _packer.pack(params)
     return [encode_prefix(HELLO, len(body), 0), body]
@@ -195,7 +184,14 @@ def next_frame(buf: memoryview, pos: int, end: int, max_header: int, max_payload
         pstart = pos + PREFIX_SIZE + hlen
         if end < pstart:
             return None
-        header, lens, extra = _header_fast(buf[pos + PREFIX_SIZE:pstart], plen)
+        view = buf[pos + PREFIX_SIZE:pstart]
+        try:  # the one-buffer header of nearly every message, checked inline
+            header, lens, extra = _unpackb(view, strict_map_key=False)
+            if lens.__class__ is list and len(lens) == 1 and lens[0] == plen and lens[0].__class__ is int:
+                return DATA, pstart, header, lens, extra, plen
+        except Exception:
+            pass
+        header, lens, extra = decode_header(view, plen)
         return DATA, pstart, header, lens, extra, plen
     if tag == TAG_CREDIT and not hlen:
         return CREDIT, pos + PREFIX_SIZE, None, None, None, plen

@@ -51,7 +51,7 @@ class Slot:
     on the transport owns it and returns it to the pool when the peer is done with it.
     """
 
-    __slots__ = ("pool", "index", "offset", "capacity", "nbytes", "_mem")
+    __slots__ = ("pool", "index", "offset", "capacity", "nbytes", "mem")
 
     def __init__(self, pool: "BufferPool", index: int):
         self.pool = pool
@@ -59,16 +59,17 @@ class Slot:
         self.offset = index * pool.stride
         self.capacity = pool.slot_size
         self.nbytes = pool.slot_size
-        self._mem = pool.memory[self.offset : self.offset + self.capacity]
+        #: the whole slot (``capacity`` bytes), writable; hot paths slice it themselves
+        self.mem = pool.memory[self.offset : self.offset + self.capacity]
 
     @property
     def buf(self) -> memoryview:
         """The writable view of the message bytes (the first ``nbytes``)."""
-        return self._mem[: self.nbytes]
+        return self.mem[: self.nbytes]
 
     @property
     def whole(self) -> memoryview:
-        return self._mem
+        return self.mem
 
     def resize(self, nbytes: int) -> "Slot":
         if not 0 <= nbytes <= self.capacity:
@@ -82,7 +83,7 @@ class Slot:
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
         self.resize(count * dt.itemsize)
-        return np.frombuffer(self._mem, dtype=dt, count=count).reshape(shape)
+        return np.frombuffer(self.mem, dtype=dt, count=count).reshape(shape)
 
     def release(self) -> None:
         """Give an unsent slot back to its pool."""
@@ -199,7 +200,7 @@ class BufferPool:
         memory alive until it goes), and unmap it if the pool made it."""
         for s in self._slots:
             try:
-                s._mem.release()
+                s.mem.release()
             except BufferError:
                 pass
         self._slots = []

@@ -72,7 +72,7 @@ class _RoomSlot(Slot):
         self.index = index
         self.offset = index * pool.stride + pool.room
         self.capacity = self.nbytes = pool.slot_size
-        self._mem = pool.memory[self.offset:self.offset + self.capacity]
+        self.mem = pool.memory[self.offset:self.offset + self.capacity]
 
 
 class _RoomPool(BufferPool):

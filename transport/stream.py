@@ -218,7 +218,7 @@ class StreamConnection(Connection):
             slot = self.recv_pool.try_alloc(plen)
             if slot is None:
                 raise ProtocolError("peer sent beyond its credits")
-            base = slot.whole
+            base = slot.mem
             if len(lens) == 1:
                 bufs = [base[:plen]]
             else:
@@ -395,7 +395,7 @@ class StreamConnection(Connection):
                         slots = [b]
                     else:
                         slots.append(b)
-                    mv = b.buf
+                    mv = b.mem[: b.nbytes]
                     if b.pool is not pool:
                         copies += 1  # a slot of another pool: memory, but not ours
                 else:
