@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+import transport
 from transport import registry
 from transport.testing import conformance
 from transport.testing import inproc
@@ -67,3 +68,27 @@ def test_inproc_lacks_only_a_second_process():
 def test_unknown_capability_is_refused():
     with pytest.raises(ValueError):
         conformance.PairEnv(lambda: "inproc://x", capabilities={"telepathy": False})
+
+
+def test_inproc_pending_behaves_like_a_handshake_in_a_serve_loop():
+    """accept_pending() gives what a serve loop drives (transport/handshake.py's Pending):
+    fileno, events, deadline, step() -> the connection; refusing one closes it."""
+    url = f"inproc://moe-test-{uuid.uuid4().hex[:12]}"
+    with registry.listen(url, slot_size=4096, nslots=2, timeout=2) as lst:
+        assert lst.accept_pending() is None
+        client = registry.connect(url, slot_size=4096, nslots=2, timeout=2)
+        p = lst.accept_pending()
+        assert p.fileno() >= 0 and p.events == "read" and p.deadline > 0
+        server = p.step()
+        assert server.state == "OPEN" and client.send_ready()
+        client.send({"a": 1})
+        with server.recv(timeout=1) as m:
+            assert m.header == {"a": 1}
+        other = registry.connect(url, slot_size=4096, nslots=2, timeout=2)
+        refused = lst.accept_pending()
+        refused.sock.send(b"REFUSED")  # what a loop at its connection cap does, then close()
+        refused.close()
+        with pytest.raises(transport.ConnectionClosed):
+            other.recv(timeout=1)
+        for c in (client, server, other):
+            c.close()

@@ -316,8 +316,18 @@ class InprocConnection(Connection):
             pass
 
 
+class _NoSocket:
+    """What a serve loop may write a REFUSED frame to before it closes a pending connection:
+    there are no bytes on inproc, so the refusal is the close itself."""
+
+    def send(self, data, flags: int = 0) -> int:
+        return len(data)
+
+
 class _Accepted:
     """A connection whose handshake is already done, behind handshake.Pending's interface."""
+
+    sock = _NoSocket()
 
     def __init__(self, conn: InprocConnection, timeout: float) -> None:
         self.conn = conn
