@@ -193,6 +193,7 @@ class StreamConnection(Connection):
         pos, end = self._rpos, self._rend
         max_header, max_payload = self.max_header, self._max_payload
         inbox = self._inbox
+        try_alloc = self.recv_pool.try_alloc
         while True:
             f = next_frame(rview, pos, end, max_header, max_payload)
             if f is None:
@@ -215,7 +216,7 @@ class StreamConnection(Connection):
                 self.stats.messages_received += 1
                 inbox.append(Message(header, [self._empty[0:0] for _ in lens], None, self, None))
                 continue
-            slot = self.recv_pool.try_alloc(plen)
+            slot = try_alloc(plen)
             if slot is None:
                 raise ProtocolError("peer sent beyond its credits")
             base = slot.mem
