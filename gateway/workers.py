@@ -330,7 +330,7 @@ class WorkerSet:
             self.mark_unhealthy(w, "its connection takes no more messages (it holds every credit)")
             return False
         try:
-            w.conn.send(header, buffers, timeout=min(1.0, self.timeout))
+            w.conn.send(header, buffers, timeout=0)  # the rest of a big frame: flushed by tick()
             return True
         except Timeout:
             self.mark_unhealthy(w, "send timed out")
@@ -358,6 +358,13 @@ class WorkerSet:
         """Heartbeats and reconnections; returns when it next wants to run."""
         nxt = now + self.heartbeat
         for w in self.links:
+            if w.conn is not None and w.conn.wants_write():
+                try:
+                    if not w.conn.flush():
+                        nxt = min(nxt, now + 0.005)
+                except TransportError as e:
+                    self.lost(w, f"send failed: {e}")
+                    continue
             if w.conn is not None:
                 if w.ping_sent is not None and now - w.ping_sent > self.heartbeat_timeout:
                     self.mark_unhealthy(w, f"no answer to a ping for {now - w.ping_sent:.1f} s")

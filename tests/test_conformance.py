@@ -1,27 +1,34 @@
-"""The conformance kit (transport/testing/conformance.py) on the in-host backends.
+"""The conformance kit (transport/testing/conformance/) on the in-host backends and the
+inproc:// test double.
 
 Every check runs on every backend. A backend whose module cannot be imported FAILS its
-cases (it is part of the product), it is never skipped. The rdma backend runs the same
-kit from tests/rdma/ inside the rxe VM.
+cases (it is part of the product), it is never skipped. A check that needs a capability
+a backend states it lacks (inproc cannot reach another process) is reported by the kit
+itself as not applicable, and only such a check may be. The rdma backend runs the same kit
+from tests/rdma/ inside the rxe VM.
 """
-import importlib
 import uuid
 
 import pytest
 
+import transport
+from transport import registry
 from transport.testing import conformance
+from transport.testing import inproc
 
 BACKENDS = {
     "tcp": dict(url_factory=lambda: "tcp://127.0.0.1:0"),
     "shm": dict(url_factory=lambda: f"shm://moe-test-{uuid.uuid4().hex[:12]}",
                 shares_sender_memory=True, leak_dirs=("/dev/shm",)),
+    "inproc": dict(url_factory=lambda: f"inproc://moe-test-{uuid.uuid4().hex[:12]}",
+                   shares_sender_memory=True, capabilities=inproc.CAPABILITIES),
 }
 
 
 @pytest.fixture(params=list(BACKENDS))
 def env(request):
     name = request.param
-    importlib.import_module(f"transport.{name}")  # ImportError -> the case fails, loudly
+    registry.backend(name)  # ImportError -> the case fails, loudly
     with conformance.PairEnv(name=name, **BACKENDS[name]) as env:
         yield env
 
@@ -29,7 +36,14 @@ def env(request):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("check", conformance.CHECKS, ids=conformance.check_ids())
 def test_conformance(env, check):
-    check(env)
+    result = check(env)
+    if result is conformance.NOT_APPLICABLE:
+        lacking = {c for c, ok in env.capabilities.items() if not ok}
+        assert check.requires & lacking, f"{check.__name__} said not applicable without a reason"
+        assert env.not_applicable == [(check.__name__, sorted(check.requires & lacking))]
+    else:
+        assert result is None
+        assert not check.requires & {c for c, ok in env.capabilities.items() if not ok}
 
 
 def test_kit_api_is_stable():
@@ -38,3 +52,43 @@ def test_kit_api_is_stable():
     assert len(conformance.CHECKS) == len(set(conformance.check_ids()))
     for c in conformance.CHECKS:
         assert c.__name__.startswith("check_") and c.__doc__
+    assert set(conformance.requirements()) == set(conformance.check_ids())
+
+
+def test_inproc_lacks_only_a_second_process():
+    """The checks inproc:// cannot run are exactly those that spawn a peer process."""
+    needs_process = {k for k, req in conformance.requirements().items() if "cross_process" in req}
+    assert needs_process == {"peer_killed", "peer_killed_while_we_wait_for_credits", "cross_process",
+                             "cross_process_stream"}
+    assert inproc.CAPABILITIES == {"cross_process": False}
+    assert "inproc" not in registry.available_backends()
+    assert "inproc" in registry.available_backends(include_test_doubles=True)
+
+
+def test_unknown_capability_is_refused():
+    with pytest.raises(ValueError):
+        conformance.PairEnv(lambda: "inproc://x", capabilities={"telepathy": False})
+
+
+def test_inproc_pending_behaves_like_a_handshake_in_a_serve_loop():
+    """accept_pending() gives what a serve loop drives (transport/handshake.py's Pending):
+    fileno, events, deadline, step() -> the connection; refusing one closes it."""
+    url = f"inproc://moe-test-{uuid.uuid4().hex[:12]}"
+    with registry.listen(url, slot_size=4096, nslots=2, timeout=2) as lst:
+        assert lst.accept_pending() is None
+        client = registry.connect(url, slot_size=4096, nslots=2, timeout=2)
+        p = lst.accept_pending()
+        assert p.fileno() >= 0 and p.events == "read" and p.deadline > 0
+        server = p.step()
+        assert server.state == "OPEN" and client.send_ready()
+        client.send({"a": 1})
+        with server.recv(timeout=1) as m:
+            assert m.header == {"a": 1}
+        other = registry.connect(url, slot_size=4096, nslots=2, timeout=2)
+        refused = lst.accept_pending()
+        refused.sock.send(b"REFUSED")  # what a loop at its connection cap does, then close()
+        refused.close()
+        with pytest.raises(transport.ConnectionClosed):
+            other.recv(timeout=1)
+        for c in (client, server, other):
+            c.close()

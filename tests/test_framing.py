@@ -1,6 +1,7 @@
 """transport/framing.py without sockets: round trips, incremental feeding, every limit,
-and seeded fuzzing (hypothesis is not installed): whatever bytes come in, the parser
-either yields frames or raises ProtocolError, never anything else."""
+and seeded fuzzing: whatever bytes come in, the parser either yields frames or raises
+ProtocolError, never anything else. FrameParser drives framing.next_frame, the parser
+tcp's receive path runs (tests/test_fuzz_parsers.py fuzzes every backend's parser)."""
 import random
 import struct
 
@@ -9,7 +10,7 @@ import pytest
 
 from transport import framing
 from transport.errors import ProtocolError
-from transport.framing import Frame, FrameDecoder, FrameParser, Kind
+from transport.framing import Frame, FrameParser, Kind, next_frame
 
 P = framing.PREFIX
 
@@ -119,18 +120,20 @@ def test_incomplete_frame_yields_nothing_yet():
     assert bytes(f.payload) == b"hello"
 
 
-def test_decoder_states():
-    dec = FrameDecoder()
+def test_next_frame_steps():
     frame = data_frame({"k": "v"}, [b"12345"])
-    assert (dec.state, dec.need) == ("prefix", 16)
-    dec.prefix(frame[:16])
-    assert dec.state == "header" and dec.need == dec.header_len
-    dec.header_bytes(frame[16 : 16 + dec.header_len])
-    assert dec.state == "payload" and dec.need == 5 and dec.lens == [5] and dec.header == {"k": "v"}
-    dec.payload()
-    assert dec.state == "done"
-    dec.reset()
-    assert (dec.state, dec.need) == ("prefix", 16)
+    view = memoryview(bytearray(frame))
+    limits = (framing.MAX_HEADER, 1 << 20)
+    assert next_frame(view, 0, 15, *limits) is None  # the prefix is not all here
+    hlen = len(frame) - 16 - 5
+    assert next_frame(view, 0, 16 + hlen - 1, *limits) is None  # nor the header
+    kind, pstart, header, lens, extra, n = next_frame(view, 0, 16 + hlen, *limits)
+    assert (kind, pstart, header, lens, extra, n) == (Kind.DATA, 16 + hlen, {"k": "v"}, [5], None, 5)
+    # the payload is the caller's: next_frame says where it starts, whether or not it is here
+    assert bytes(view[pstart:pstart + n]) == b"12345"
+    kind, nxt, *_ , credits = next_frame(memoryview(framing.frame_credit(9)), 0, 16, *limits)
+    assert (kind, nxt, credits) == (Kind.CREDIT, 16, 9)
+    assert next_frame(memoryview(framing.frame_close()), 0, 16, *limits)[0] == Kind.CLOSE
 
 
 def test_header_encoding_errors_are_type_errors():
@@ -210,11 +213,9 @@ def test_negotiated_limits():
 
 def test_limit_checked_on_the_prefix_alone():
     # a hostile length must be refused before anything is read or reserved
-    dec = FrameDecoder(max_header=1024, max_payload=1 << 20)
-    with pytest.raises(ProtocolError):
-        dec.prefix(framing.encode_prefix(Kind.DATA, 10, (1 << 20) + 1))
-    with pytest.raises(ProtocolError):
-        FrameDecoder(max_header=1024).prefix(framing.encode_prefix(Kind.DATA, 1025, 0))
+    for prefix in (framing.encode_prefix(Kind.DATA, 10, (1 << 20) + 1), framing.encode_prefix(Kind.DATA, 1025, 0)):
+        with pytest.raises(ProtocolError):
+            next_frame(memoryview(prefix), 0, 16, 1024, 1 << 20)
 
 
 def test_decode_prefix_wrong_length():

@@ -199,3 +199,17 @@ def test_close_with_a_view_outstanding():
     p.close()  # must not raise while a caller still holds a view
     arr[:] = 1  # the mapping lives as long as the view does
     assert arr.sum() == 100
+
+
+def test_try_alloc_sizes_and_put_gives_back_lifo():
+    p = BufferPool(256, 4)
+    a = p.try_alloc(10)
+    assert a.nbytes == 10 and p.available == 3
+    with pytest.raises(ValueError):
+        p.try_alloc(257)
+    assert p.available == 3  # a refused size takes nothing
+    assert p.put(a) is True and p.put(a) is False  # the owner's give-back is idempotent
+    assert p.try_alloc().index == a.index  # last freed, first reused
+    while p.try_alloc() is not None:
+        pass
+    assert p.available == 0 and p.try_alloc(1) is None

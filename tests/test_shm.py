@@ -18,6 +18,7 @@ import transport
 from transport import framing
 from transport.errors import ConnectionClosed, ProtocolError
 from transport.framing import Kind
+from transport.testing import raw
 from transport.shmring import (PAD, W_OUT_HEAD, W_OUT_TAIL, W_RET_TAIL, Layout, RecordReader,
                                RecordWriter, ReturnReader, ReturnWriter, Segment)
 
@@ -177,7 +178,7 @@ def test_slot_descriptor_outside_the_segment_is_rejected():
         lst, c, s = _pair()
         try:
             head = framing._packer.pack([{}, [16], extra])
-            c._send_raw(framing.encode_prefix(Kind.DATA, len(head), 16) + head)
+            raw.send_raw(c, framing.encode_prefix(Kind.DATA, len(head), 16) + head)
             with pytest.raises(ProtocolError):
                 s.recv(timeout=5)
             assert s.closed

@@ -11,6 +11,26 @@ Ownership is the whole protocol:
 
 Every blocking call takes ``timeout`` in seconds; ``None`` means the connection's
 ``default_timeout`` (finite), never "forever".
+
+Connection lifecycle, the same on every backend (the state is ``conn.state``)::
+
+    state       recv()                         send()/alloc()    closed   send_ready()
+    OPEN        messages                       work              False    per backend
+    PEER_GONE   what had arrived, in order,    ConnectionClosed  False    False
+                then ConnectionClosed
+    BROKEN      ConnectionClosed               ConnectionClosed  True     False
+    CLOSED      ConnectionClosed               ConnectionClosed  True     False
+
+    OPEN      -> PEER_GONE  the peer said goodbye, closed its end, died, or its QP failed
+    OPEN      -> BROKEN     this side found a protocol error (raised once, as ProtocolError,
+    PEER_GONE -> BROKEN     by the recv/send that found it), or cut a frame it was writing:
+                            nothing more is delivered
+    any       -> CLOSED     close() (idempotent)
+
+A protocol error found while *releasing* a message (a peer that corrupted what we write
+slot returns into) is never raised by ``Message.release``: the connection becomes BROKEN
+and its next recv/send raises that ProtocolError (``pending()`` turns True so that a
+poller calls it). Messages handed out stay readable until released, in every state.
 """
 from __future__ import annotations
 
@@ -22,14 +42,18 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from .errors import ConnectionClosed, Timeout
+from .errors import ConnectionClosed, Timeout, TransportError
 from .pool import Slot
+from .timing import ACCEPT_GRACE, DEFAULT_TIMEOUT, HELLO_TIMEOUT
 
-DEFAULT_TIMEOUT = 30.0
 DEFAULT_SLOT_SIZE = 4 << 20
 DEFAULT_NSLOTS = 16
 
 Buffer = Union[Slot, bytes, bytearray, memoryview, np.ndarray]
+
+# the lifecycle states (see the table above); OPEN is 0 so that hot paths test ``if self._state``
+OPEN, PEER_GONE, BROKEN, CLOSED = 0, 1, 2, 3
+STATE_NAMES = ("OPEN", "PEER_GONE", "BROKEN", "CLOSED")
 
 
 class Deadline:
@@ -80,15 +104,22 @@ class ConnectionStats:
 
 class Message:
     """A received message: ``header`` (msgpack-able object) and ``buffers`` (memoryviews
-    into registered memory), valid until :meth:`release`."""
+    into registered memory), valid until :meth:`release`.
 
-    __slots__ = ("header", "buffers", "_on_release", "released")
+    Backends make one with ``Message(header, buffers, None, conn, token)``: releasing it
+    calls ``conn._release_message(token)`` once (the backend hook that returns the slot or
+    the credit). ``Message(header, buffers, on_release)`` calls a plain callback instead.
+    """
 
-    def __init__(self, header: Any, buffers: list, on_release: Optional[Callable[[], None]] = None):
+    __slots__ = ("header", "buffers", "released", "_conn", "_token")
+
+    def __init__(self, header: Any, buffers: list, on_release: Optional[Callable[[], None]] = None,
+                 conn: Optional["Connection"] = None, token: Any = None):
         self.header = header
         self.buffers = buffers
-        self._on_release = on_release
         self.released = False
+        self._conn = conn
+        self._token = on_release if conn is None else token
 
     def array(self, i: int, dtype: Any, shape: Any = -1) -> np.ndarray:
         """Buffer ``i`` as a numpy array, in place (read-only where the memory is the peer's)."""
@@ -99,16 +130,23 @@ class Message:
         return sum(b.nbytes for b in self.buffers)
 
     def release(self) -> None:
-        """Hand the buffers back; the views must not be used afterwards."""
+        """Hand the buffers back; the views must not be used afterwards. Idempotent; never
+        raises a transport error (see the lifecycle above)."""
         if self.released:
             return
         self.released = True
         for b in self.buffers:
             b.release()
         self.buffers = []
-        if self._on_release is not None:
-            cb, self._on_release = self._on_release, None
-            cb()
+        conn, token = self._conn, self._token
+        self._conn = self._token = None
+        if conn is not None:
+            try:
+                conn._release_message(token)
+            except TransportError as e:
+                conn._release_failed(e)
+        elif token is not None:
+            token()
 
     def __enter__(self) -> "Message":
         return self
@@ -132,6 +170,57 @@ class Connection(abc.ABC):
     authenticated: bool = False
     #: (pid, uid, gid) of the peer process where the kernel tells (shm: SO_PEERCRED)
     peer_credentials: Optional[tuple] = None
+    # lifecycle (module docstring): the state, why it left OPEN, and a ProtocolError found
+    # on the release path, raised by the next recv/send
+    _state: int = OPEN
+    _why: Optional[str] = None
+    _error: Optional[TransportError] = None
+
+    @property
+    def state(self) -> str:
+        """OPEN, PEER_GONE, BROKEN or CLOSED (the lifecycle table in transport/base.py)."""
+        return STATE_NAMES[self._state]
+
+    @property
+    def closed(self) -> bool:
+        """True once nothing more can be received or sent (BROKEN or CLOSED)."""
+        return self._state >= BROKEN
+
+    def _to_peer_gone(self, why: str) -> None:
+        if self._state == OPEN:
+            self._state, self._why = PEER_GONE, why
+
+    def _to_broken(self, why: str) -> None:
+        if self._state < BROKEN:
+            self._state, self._why = BROKEN, why
+
+    def _to_closed(self) -> bool:
+        """Enter CLOSED; False if it already was (close() is idempotent)."""
+        if self._state == CLOSED:
+            return False
+        self._state = CLOSED
+        return True
+
+    def _closed_error(self) -> TransportError:
+        """What a call on a connection that is not OPEN raises: a ProtocolError found on the
+        release path (once), else ConnectionClosed saying why."""
+        err = self._error
+        if err is not None:
+            self._error = None
+            return err
+        if self._state == CLOSED:
+            return ConnectionClosed(f"{self.url}: connection is closed")
+        return ConnectionClosed(f"{self.url}: {self._why}")
+
+    def _release_message(self, token: Any) -> None:
+        """Backend hook: a message made with ``token`` was released (return its slot/credit)."""
+
+    def _release_failed(self, exc: TransportError) -> None:
+        """The release hook found the peer broke the protocol: remember it for the next
+        recv/send of this connection (a release never raises it)."""
+        if self._state < BROKEN:
+            self._error = exc
+        self._to_broken(f"protocol error: {exc}")
 
     @abc.abstractmethod
     def alloc(self, nbytes: int, timeout: Optional[float] = None) -> Slot:
@@ -153,10 +242,6 @@ class Connection(abc.ABC):
     def close(self) -> None:
         """Close; idempotent. Pending messages are discarded, registrations undone."""
 
-    @property
-    @abc.abstractmethod
-    def closed(self) -> bool: ...
-
     def abort(self) -> None:
         """Close at once, without waiting for what we sent to reach the peer (a service
         dropping a peer that does not read must not wait for it). Idempotent."""
@@ -166,11 +251,6 @@ class Connection(abc.ABC):
         """Whether ``buf`` (a received buffer) lies in memory registered for this connection."""
         return self.recv_pool.contains(buf)  # type: ignore[attr-defined]
 
-    def _send_raw(self, frame: bytes) -> None:
-        """Testing hook for the conformance kit: put ``frame`` on the wire (or ring) as if
-        it were a frame, bypassing every check, so the peer's validation can be tested."""
-        raise NotImplementedError
-
     def pending(self) -> bool:
         """Whether a message is already buffered (``recv(0)`` would not block on the fd)."""
         return False
@@ -179,7 +259,19 @@ class Connection(abc.ABC):
     def send_ready(self) -> bool:
         """Whether one message (up to ``max_message`` bytes, in a slot of ours) could be sent
         now without waiting: the peer has credits left and there is room on the way. A
-        service holds a reply for a peer that is not ready instead of blocking on it."""
+        service holds a reply for a peer that is not ready instead of blocking on it.
+        False whenever the connection is not OPEN, and (tcp) while a frame is unfinished."""
+
+    def wants_write(self) -> bool:
+        """Whether bytes accepted by an earlier ``send(..., timeout=0)`` still wait for room
+        in the kernel: a poller should watch ``fileno()`` for writing too and call
+        :meth:`flush` when it is writable (only byte-stream backends ever say True)."""
+        return False
+
+    def flush(self) -> bool:
+        """Write what :meth:`wants_write` holds, without blocking; True once nothing is left
+        (any later send/recv also makes progress on it)."""
+        return True
 
     def __enter__(self) -> "Connection":
         return self
@@ -206,15 +298,13 @@ class Listener(abc.ABC):
         """The next connection, handshake done. Timeout if none arrives in ``timeout``; a
         client that stalls its handshake fails this accept within at most
         ``handshake.HELLO_TIMEOUT`` (Timeout), and the listener goes on working."""
-        from .handshake import HELLO_TIMEOUT
-
         deadline = Deadline(timeout, self.timeout)
         while True:
             pending = self.accept_pending()
             if pending is not None:
                 break
             wait_fd(self.fileno(), select.POLLIN, deadline, "waiting for a connection")
-        return pending.wait(Deadline(min(deadline.remaining() or 1.0, HELLO_TIMEOUT)))
+        return pending.wait(Deadline(min(deadline.remaining() or ACCEPT_GRACE, HELLO_TIMEOUT)))
 
     @abc.abstractmethod
     def fileno(self) -> int: ...
@@ -227,7 +317,3 @@ class Listener(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def closed_error(conn: Connection, why: str) -> ConnectionClosed:
-    return ConnectionClosed(f"{conn.url}: {why}")

@@ -47,10 +47,8 @@ from . import framing
 from .base import Deadline
 from .errors import AuthenticationError, ConnectionClosed, ProtocolError, Refused
 from .framing import Kind
+from .timing import HELLO_TIMEOUT  # noqa: F401  (re-exported: the listeners' handshake bound)
 
-#: how long a server waits for a client to complete phase 1 (a silent client must not
-#: hold a listener's resources for long)
-HELLO_TIMEOUT = 5.0
 #: the longest a HELLO may be (well below framing.MAX_HEADER: no backend needs more)
 MAX_HELLO = 4096
 NONCE_BYTES = 32

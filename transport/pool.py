@@ -51,7 +51,7 @@ class Slot:
     on the transport owns it and returns it to the pool when the peer is done with it.
     """
 
-    __slots__ = ("pool", "index", "offset", "capacity", "nbytes", "_mem")
+    __slots__ = ("pool", "index", "offset", "capacity", "nbytes", "mem")
 
     def __init__(self, pool: "BufferPool", index: int):
         self.pool = pool
@@ -59,16 +59,17 @@ class Slot:
         self.offset = index * pool.stride
         self.capacity = pool.slot_size
         self.nbytes = pool.slot_size
-        self._mem = pool.memory[self.offset : self.offset + self.capacity]
+        #: the whole slot (``capacity`` bytes), writable; hot paths slice it themselves
+        self.mem = pool.memory[self.offset : self.offset + self.capacity]
 
     @property
     def buf(self) -> memoryview:
         """The writable view of the message bytes (the first ``nbytes``)."""
-        return self._mem[: self.nbytes]
+        return self.mem[: self.nbytes]
 
     @property
     def whole(self) -> memoryview:
-        return self._mem
+        return self.mem
 
     def resize(self, nbytes: int) -> "Slot":
         if not 0 <= nbytes <= self.capacity:
@@ -82,7 +83,7 @@ class Slot:
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
         self.resize(count * dt.itemsize)
-        return np.frombuffer(self._mem, dtype=dt, count=count).reshape(shape)
+        return np.frombuffer(self.mem, dtype=dt, count=count).reshape(shape)
 
     def release(self) -> None:
         """Give an unsent slot back to its pool."""
@@ -124,18 +125,22 @@ class BufferPool:
     def available(self) -> int:
         return len(self._free)
 
-    def try_alloc(self) -> Optional[Slot]:
-        # last freed, first reused: a slot that was just written or read is still in cache
-        if not self._free:
+    def try_alloc(self, nbytes: int = -1) -> Optional[Slot]:
+        """A free slot sized to ``nbytes`` (default: its capacity), or None if none is free.
+        Last freed, first reused: a slot that was just written or read is still in cache."""
+        free = self._free
+        if not free:
             return None
-        i = self._free.pop()
+        if nbytes > self.slot_size:
+            raise ValueError(f"{nbytes} bytes do not fit a slot of {self.slot_size}")
+        i = free.pop()
         self._in_use[i] = True
         s = self._slots[i]
-        s.nbytes = self.slot_size
+        s.nbytes = self.slot_size if nbytes < 0 else nbytes
         return s
 
-    def alloc(self) -> Slot:
-        s = self.try_alloc()
+    def alloc(self, nbytes: int = -1) -> Slot:
+        s = self.try_alloc(nbytes)
         if s is None:
             raise PoolExhausted(f"all {self.nslots} slots of {self.name} are in use")
         return s
@@ -153,12 +158,25 @@ class BufferPool:
         return self._slots[index]
 
     def free(self, index: int) -> None:
+        """Return slot ``index``; ValueError if it is out of range or not in use (a peer that
+        returns a slot twice, or one it never had)."""
         if not 0 <= index < self.nslots:
             raise ValueError(f"slot {index} out of range 0..{self.nslots - 1}")
         if not self._in_use[index]:
             raise ValueError(f"slot {index} of {self.name} freed twice")
         self._in_use[index] = False
         self._free.append(index)
+
+    def put(self, slot: Slot) -> bool:
+        """Return one of this pool's own slots if it is in use; False if it was free already
+        (the owner's idempotent give-back, without free()'s checks of a peer's index)."""
+        i = slot.index
+        in_use = self._in_use
+        if not in_use[i]:
+            return False
+        in_use[i] = False
+        self._free.append(i)
+        return True
 
     def view(self, index: int, start: int = 0, nbytes: Optional[int] = None) -> memoryview:
         if not 0 <= index < self.nslots or (nbytes is not None and nbytes < 0):
@@ -178,8 +196,18 @@ class BufferPool:
         return self.address <= low and high <= self.address + self.length
 
     def close(self) -> None:
+        """Drop every view of the region (a view the application still exports keeps the
+        memory alive until it goes), and unmap it if the pool made it."""
+        for s in self._slots:
+            try:
+                s.mem.release()
+            except BufferError:
+                pass
         self._slots = []
-        self.memory.release()
+        try:
+            self.memory.release()
+        except BufferError:
+            pass
         if isinstance(self._buffer, mmap.mmap):
             try:
                 self._buffer.close()

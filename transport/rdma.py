@@ -34,15 +34,14 @@ from .errors import AcceptFailed, ConnectionClosed, ProtocolError, Timeout
 from .rdma_conn import RdmaConnection
 from .rdma_device import DeviceChoice, pick_device
 from .rdma_verbs import live_resources, require_pyverbs
+from .timing import RDMA_SETUP_TIMEOUT, RDMA_SPIN
 
 __all__ = ["RdmaConnection", "RdmaListener", "connect", "listen", "live_resources", "pick_device",
            "DeviceChoice", "DEFAULT_SMALL_SIZE", "DEFAULT_SPIN"]
 
 DEFAULT_SMALL_SIZE = 8192  # a 4 KiB payload and its header still go by SEND
-DEFAULT_SPIN = 100e-6
-#: verbs set-up (registration is slow under emulation) gets at least this long, whatever
-#: was left of the caller's timeout: it is local work, not the peer's
-SETUP_TIMEOUT = 5.0
+DEFAULT_SPIN = RDMA_SPIN
+SETUP_TIMEOUT = RDMA_SETUP_TIMEOUT  # see transport/timing.py
 
 
 def _parse(address: str) -> tuple[str, int]:

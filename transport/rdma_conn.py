@@ -42,13 +42,14 @@ from typing import Any, Optional, Sequence
 import msgpack
 
 from . import framing
-from .base import Connection, ConnectionStats, Deadline, Message, closed_error
-from .errors import ConnectionClosed, ProtocolError, Timeout, TransportError
-from .framing import Kind
+from .base import BROKEN, Connection, ConnectionStats, Deadline, Message
+from .errors import ProtocolError, Timeout, TransportError
+from .framing import CLOSE as _CLOSE
 from .pool import BufferPool, Slot, round_up
 from . import rdma_handshake as hs
 from .rdma_device import DeviceChoice, pick_device
 from .rdma_verbs import E, PyverbsError, Verbs
+from .timing import RDMA_CLOSE_LINGER
 
 PREFIX = framing.PREFIX
 PREFIX_SIZE = framing.PREFIX_SIZE
@@ -56,8 +57,8 @@ MAX_HEADER = framing.MAX_HEADER
 ROOM = round_up(PREFIX_SIZE + MAX_HEADER)  # registered bytes before each send slot
 CTRL_IMM = 0x4D54_4352  # "MTCR": the immediate that marks a credit message
 NCTRL = 8  # receives each side posts for the peer's credit messages
-CLOSE_LINGER = 5.0  # close() waits at most this long for its sends to complete
-_MAGIC, _VERSION, _DATA = framing.MAGIC, framing.VERSION, int(Kind.DATA)
+CLOSE_LINGER = RDMA_CLOSE_LINGER  # close() waits at most this long for its sends to complete
+_MAGIC, _VERSION, _DATA = framing.MAGIC, framing.VERSION, framing.DATA
 _packb = msgpack.Packer(use_bin_type=True).pack
 
 
@@ -71,7 +72,7 @@ class _RoomSlot(Slot):
         self.index = index
         self.offset = index * pool.stride + pool.room
         self.capacity = self.nbytes = pool.slot_size
-        self._mem = pool.memory[self.offset:self.offset + self.capacity]
+        self.mem = pool.memory[self.offset:self.offset + self.capacity]
 
 
 class _RoomPool(BufferPool):
@@ -83,30 +84,6 @@ class _RoomPool(BufferPool):
         self.room = room
         self.slot_size = slot_size  # what a caller's slot holds (try_alloc sizes by it)
         self._slots = [_RoomSlot(self, i) for i in range(nslots)]
-
-
-class _RdmaMessage(Message):
-    __slots__ = ("_conn", "_index", "_large")
-
-    def __init__(self, header: Any, buffers: list, conn: "RdmaConnection", index: int, large: bool):
-        self.header = header
-        self.buffers = buffers
-        self._on_release = None
-        self.released = False
-        self._conn = conn
-        self._index = index
-        self._large = large
-
-    def release(self) -> None:
-        if self.released:
-            return
-        self.released = True
-        for b in self.buffers:
-            b.release()
-        self.buffers = []
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn._release(self._index, self._large)
 
 
 def _wc_status(status: int) -> str:
@@ -132,9 +109,9 @@ class RdmaConnection(Connection):
         self.stats = ConnectionStats()
         self.max_message = 0
         self._spin = spin
-        self._closed = False
-        self._dead: Optional[str] = None  # a QP/work-completion error or a protocol error
-        self._gone: Optional[str] = None  # the peer closed or died (side channel)
+        self._torn = False  # verbs objects, pools and the side channel released
+        self._qp_error: Optional[str] = None  # a QP/work-completion error: do not touch the QP
+        self._side_done = False  # the side channel said goodbye (EOF or CLOSE)
         self._inbox: collections.deque = collections.deque()
         self._verbs: Optional[Verbs] = None
         self._pools: list = []
@@ -252,12 +229,8 @@ class RdmaConnection(Connection):
         self._ep.register(v.send_fd, select.EPOLLIN)
 
     # ------------------------------------------------------------------ public API
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def fileno(self) -> int:
-        if self._closed:
+        if self._torn:
             return -1
         self._fd_used = True
         self._quiesce()
@@ -267,7 +240,7 @@ class RdmaConnection(Connection):
         return bool(self._inbox)
 
     def send_ready(self) -> bool:
-        if self._closed or self._dead or self._gone:
+        if self._state:
             return False
         if self._tx_credits <= 0:
             try:
@@ -280,7 +253,8 @@ class RdmaConnection(Connection):
         return self.recv_pool.contains(buf) or self._rbuf.contains(buf)
 
     def alloc(self, nbytes: int, timeout: Optional[float] = None) -> Slot:
-        self._check_open()
+        if self._state:
+            raise self._closed_error()
         if not 0 <= nbytes <= self.max_message:
             raise ValueError(f"{nbytes} bytes exceed the peer's largest message ({self.max_message})")
         slot = self.send_pool.try_alloc()
@@ -294,7 +268,8 @@ class RdmaConnection(Connection):
         inbox = self._inbox
         if inbox:
             return inbox.popleft()
-        self._check_open()
+        if self._state >= BROKEN:
+            raise self._closed_error()
         deadline = None
         while True:
             if self._sq_used > self._verbs.sq_depth // 2:
@@ -304,20 +279,19 @@ class RdmaConnection(Connection):
                 if self._fd_used:
                     self._quiesce()
                 return inbox.popleft()
-            if self._dead or self._gone:
-                raise closed_error(self, self._dead or self._gone)
+            if self._state:
+                raise self._closed_error()
             if deadline is None:
                 deadline = Deadline(timeout, self.default_timeout)
             self._wait(deadline, "waiting for a message")
 
     def send(self, header: Any, buffers: Sequence = (), timeout: Optional[float] = None) -> None:
-        pool = self.send_pool if not self._closed else None
+        pool = self.send_pool if not self._torn else None
         own: list = []  # our send slots: they belong to the transport from here on
         try:
             segs, lens, total = self._segments(buffers, pool, own)
-            self._check_open()
-            if self._dead or self._gone:
-                raise closed_error(self, self._dead or self._gone)
+            if self._state:
+                raise self._closed_error()
             if total > self.max_message:
                 raise ValueError(f"message of {total} bytes exceeds the peer's limit of {self.max_message}")
             head = framing.encode_header(header, lens)  # TypeError before anything is sent
@@ -328,8 +302,8 @@ class RdmaConnection(Connection):
                 deadline = Deadline(timeout, self.default_timeout)
                 self.stats.credit_stalls += 1
                 while self._tx_credits <= 0:
-                    if self._dead or self._gone:
-                        raise closed_error(self, self._dead or self._gone)
+                    if self._state:
+                        raise self._closed_error()
                     self._wait(deadline, "waiting for credits")
             if segs and segs[-1] is None:  # unregistered buffers: one copy into one slot
                 deadline = deadline or Deadline(timeout, self.default_timeout)
@@ -341,20 +315,6 @@ class RdmaConnection(Connection):
                 s.release()
         if self._fd_used:
             self._quiesce()
-
-    def _send_raw(self, frame: bytes) -> None:
-        self._check_open()
-        if len(frame) > self._peer_small:
-            raise ValueError(f"a raw frame must fit the peer's receive buffers ({self._peer_small} B)")
-        deadline = Deadline(self.default_timeout)
-        while self._tx_credits <= 0:
-            self._wait(deadline, "waiting for credits")
-        hdr = self._wait_hdr(deadline)
-        hdr.whole[:len(frame)] = frame
-        self._ensure_sq(1, deadline)
-        self._tx_credits -= 1
-        self._post_chain([(self._hdr.address + hdr.offset, len(frame), self._hdr_lkey)],
-                         E.IBV_WR_SEND, 0, None, [], hdr)
 
     # ------------------------------------------------------------------ sending
     def _segments(self, buffers: Sequence, pool, own: list):
@@ -496,7 +456,7 @@ class RdmaConnection(Connection):
                 self._qp.post_send(wr)
         except PyverbsError as exc:
             self._fail(f"posting a send failed: {exc}")  # the caller frees the slots
-            raise closed_error(self, self._dead) from None
+            raise self._closed_error() from None
         self._sq_used += len(sges)
         self._inflight.append([wid, len(sges), slots, hdr])
 
@@ -511,7 +471,7 @@ class RdmaConnection(Connection):
 
     def _reclaim(self) -> int:
         n = self._poll_send() if self._sq_used else 0
-        if not n and self._unsig and self._inflight and not self._dead:
+        if not n and self._unsig and self._inflight and not self._qp_error:
             self._fence()
         return n
 
@@ -521,9 +481,7 @@ class RdmaConnection(Connection):
             s = pool.try_alloc()
             if s is not None:
                 return s
-            self._check_open()
-            if self._dead:
-                raise closed_error(self, self._dead)
+            self._check_usable()
             if not self._inflight:  # every slot is held by the caller: nothing will free one
                 raise Timeout(f"all {pool.nslots} send slots are held by the caller")
             if not self._reclaim():
@@ -534,17 +492,13 @@ class RdmaConnection(Connection):
             h = self._hdr.try_alloc()
             if h is not None:
                 return h
-            self._check_open()
-            if self._dead:
-                raise closed_error(self, self._dead)
+            self._check_usable()
             if not self._reclaim():
                 self._wait(deadline, "waiting for the send queue", send=True)
 
     def _ensure_sq(self, nwr: int, deadline: Deadline) -> None:
         while self._sq_used + nwr > self._verbs.sq_depth:
-            self._check_open()
-            if self._dead:
-                raise closed_error(self, self._dead)
+            self._check_usable()
             if not self._reclaim():
                 self._wait(deadline, "waiting for the send queue", send=True)
 
@@ -559,8 +513,15 @@ class RdmaConnection(Connection):
             self._owed_slots = []
         return extra
 
+    def _release_message(self, token: int) -> None:
+        """A message was released: token >= 0 is a receive buffer, -1 - slot a slot."""
+        if token >= 0:
+            self._release(token, False)
+        else:
+            self._release(-1 - token, True)
+
     def _release(self, index: int, large: bool) -> None:
-        if self._closed or self._dead:
+        if self._state >= BROKEN or self._qp_error:
             return
         if large:
             self.recv_pool.free(index)
@@ -582,7 +543,7 @@ class RdmaConnection(Connection):
         oc, oa = self._owed_credits, self._owed_acks
         if not (oc >= self._flush_at or oa >= self._ack_at or (force and oc)):
             return
-        if self._closed or self._dead or self._gone:
+        if self._state:
             return
         budget = self._ctrl_budget
         if budget < 1 or (budget == 1 and not oa):  # the last one is kept for acks
@@ -603,17 +564,12 @@ class RdmaConnection(Connection):
         self._post_chain([(self._hdr.address + hdr.offset, len(body), self._hdr_lkey)],
                          E.IBV_WR_SEND_WITH_IMM, socket.htonl(CTRL_IMM), None, [], hdr)
 
-    def _apply(self, extra) -> None:
-        """Credits, acks and slot indexes the peer returned (validated: a peer cannot
-        hand us credits it never had)."""
-        if (type(extra) is not list or len(extra) != 3 or type(extra[0]) is not int
-                or type(extra[1]) is not int or type(extra[2]) is not list
-                or extra[0] < 0 or extra[1] < 0):
-            raise ProtocolError(f"bad credit return {extra!r:.80}")
-        credits, acks, slots = extra
+    def _apply(self, credits: int, acks: int, slots: list) -> None:
+        """Credits, acks and slot indexes the peer returned (framing.check_credit_return
+        checked their form; here: a peer cannot hand us credits it never had)."""
         free = self._tx_free
         for s in slots:
-            if type(s) is not int or not 0 <= s < self._peer_nslots or free[s]:
+            if not s < self._peer_nslots or free[s]:
                 raise ProtocolError(f"credit for slot {s!r}, which we do not hold")
             free[s] = 1
         self._tx_slots.extend(slots)
@@ -640,7 +596,7 @@ class RdmaConnection(Connection):
                     rec[3].release()
                 if rec[0] == wid:
                     break
-        if self._dead:  # flushed or not, nothing in flight will complete any more
+        if self._qp_error:  # flushed or not, nothing in flight will complete any more
             while inflight:
                 rec = inflight.popleft()
                 for s in rec[2]:
@@ -671,48 +627,39 @@ class RdmaConnection(Connection):
                     raise ProtocolError(f"unexpected receive completion opcode {op}")
         except (ProtocolError, ValueError) as exc:
             err = exc if isinstance(exc, ProtocolError) else ProtocolError(str(exc))
-            self._dead = f"protocol error: {err}"
-            self.close()
+            self._abort(f"protocol error: {err}")
             raise err from None
         if self._owed_acks >= self._ack_at or self._owed_credits >= self._flush_at:
             self._flush()
         return n
 
-    def _decode(self, mem, base: int, frame_len: Optional[int]):
-        """Validate the frame at ``mem[base:]``: (header, buffer views, extra)."""
-        kind, hlen, plen = framing.decode_prefix(mem[base:base + PREFIX_SIZE], max_payload=self._recv_max)
-        if kind != _DATA:
-            if kind == Kind.CLOSE:
-                return None
-            raise ProtocolError(f"unexpected {Kind(kind).name} frame")
-        if frame_len is None:  # a slot: the payload starts at the next 64-byte boundary
-            off = round_up(PREFIX_SIZE + hlen)
-        else:  # a receive buffer: the payload is what follows the header and its padding
-            off = frame_len - plen
-            if off < PREFIX_SIZE + hlen:
-                raise ProtocolError(f"a frame of {frame_len} bytes is shorter than its prefix says")
-        user, lens, extra = framing.decode_header(mem[base + PREFIX_SIZE:base + PREFIX_SIZE + hlen], plen)
+    def _message(self, user, lens, extra, mem, p: int, token: int) -> None:
+        """A decoded DATA frame whose payload starts at ``mem[p]``: apply the credits it
+        carries, queue it as a message."""
         if extra is not None:
-            self._apply(extra)
-        p = base + off
+            self._apply(*framing.check_credit_return(extra))
         bufs = []
+        start = p
         for n in lens:
             bufs.append(mem[p:p + n])
             p += n
-        self.stats.messages_received += 1
-        self.stats.bytes_received += plen
+        st = self.stats
+        st.messages_received += 1
+        st.bytes_received += p - start
         self._unreturned += 1
-        return user, bufs
+        self._inbox.append(Message(user, bufs, None, self, token))
 
     def _on_small(self, i: int, length: int) -> None:
-        if not 0 <= i < len(self._rwrs) or length < PREFIX_SIZE:
-            raise ProtocolError(f"a {length}-byte SEND is not a frame")
-        got = self._decode(self._rbuf.memory, i * self._rbuf.stride, length)
-        if got is None:  # a CLOSE frame: the peer says goodbye
+        if not 0 <= i < len(self._rwrs):
+            raise ProtocolError(f"a receive completion for buffer {i}, which we never posted")
+        rb = self._rbuf
+        kind, user, lens, extra, p = framing.decode_in_buffer(rb.memory, i * rb.stride, length, rb.slot_size,
+                                                              self._recv_max)
+        if kind == _CLOSE:  # the peer says goodbye
             self._qp.post_recv(self._rwrs[i])
-            self._gone = "peer closed the connection"
+            self._to_peer_gone("peer closed the connection")
             return
-        self._inbox.append(_RdmaMessage(got[0], got[1], self, i, False))
+        self._message(user, lens, extra, rb.memory, p, i)
 
     def _on_large(self, i: int, imm: int) -> None:
         self._qp.post_recv(self._rwrs[i])  # a WRITE WITH IMMEDIATE leaves the buffer unused
@@ -724,22 +671,20 @@ class RdmaConnection(Connection):
             pool.take(s)
         except ValueError:
             raise ProtocolError(f"the peer wrote into slot {s}, which a message still holds") from None
-        got = self._decode(pool.memory, s * pool.stride, None)
-        if got is None:
-            raise ProtocolError("a CLOSE frame in a slot")
-        self._inbox.append(_RdmaMessage(got[0], got[1], self, s, True))
+        kind, user, lens, extra, p = framing.decode_in_slot(pool.memory, s * pool.stride, pool.slot_size,
+                                                            self._recv_max)
+        self._message(user, lens, extra, pool.memory, p, -1 - s)
 
     def _on_ctrl(self, i: int, length: int, imm: int) -> None:
         if socket.ntohl(imm) != CTRL_IMM:
             raise ProtocolError(f"SEND with unknown immediate {socket.ntohl(imm):#x}")
+        if not 0 <= i < len(self._rwrs) or length > self._rbuf.slot_size:
+            raise ProtocolError(f"a credit message of {length} bytes in buffer {i}")
         base = i * self._rbuf.stride
-        try:
-            body = msgpack.unpackb(self._rbuf.memory[base:base + length], raw=False)
-        except Exception as exc:
-            raise ProtocolError(f"undecodable credit message: {exc}") from None
+        returned = framing.decode_credit_message(self._rbuf.memory[base:base + length])
         self._qp.post_recv(self._rwrs[i])
         self._owed_acks += 1
-        self._apply(body)
+        self._apply(*returned)
 
     # ------------------------------------------------------------------ waiting
     def _wait(self, deadline: Deadline, what: str, send: bool = False) -> None:
@@ -767,7 +712,7 @@ class RdmaConnection(Connection):
         # a completion that came before the arming raises no event: look once more
         if self._poll_recv() or (send and self._poll_send()):
             return
-        if self._dead or self._gone:
+        if self._state:
             return
         events = self._ep.poll(deadline.remaining())
         if not events:
@@ -798,7 +743,7 @@ class RdmaConnection(Connection):
     def _quiesce(self) -> None:
         """For fd users: leave the receive CQ armed with no event pending and nothing
         unprocessed, so the fd polls readable only for something new."""
-        if self._closed or self._dead:
+        if self._torn or self._qp_error:
             return
         while True:
             if self._armed_recv:
@@ -812,7 +757,7 @@ class RdmaConnection(Connection):
 
     def _check_side(self) -> None:
         """The side channel is readable: the peer closed (CLOSE frame, EOF) or died."""
-        if self._gone:
+        if self._side_done:
             return
         try:
             data = self.sock.recv(4096)
@@ -823,59 +768,71 @@ class RdmaConnection(Connection):
         else:
             close = framing.frame_close()
             if data and not close.startswith(data[:PREFIX_SIZE]):
-                self._dead = "protocol error: unexpected bytes on the side channel"
-                self.close()
+                self._abort("protocol error: unexpected bytes on the side channel")
                 raise ProtocolError("unexpected bytes on the rdma side channel")
             why = "peer closed the connection" if data else "peer vanished (side channel EOF)"
         # everything the peer sent before it went is in our CQ already: deliver it first
         while self._poll_recv():
             pass
-        self._gone = self._gone or why
+        self._side_done = True
+        self._to_peer_gone(why)
         try:  # the fd stays readable (EOF): only the public fd keeps watching it
             self._ep.unregister(self.sock.fileno())
         except (OSError, ValueError):
             pass
 
     def _fail(self, why: str) -> None:
-        if self._dead is None:
-            self._dead = why
+        """The QP failed: the peer is out of reach (what arrived is still delivered)."""
+        if self._qp_error is None:
+            self._qp_error = why
+        self._to_peer_gone(why)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ConnectionClosed(f"{self.url}: connection is closed")
+    def _check_usable(self) -> None:
+        """ConnectionClosed where a wait for our own sends cannot end (torn down, QP failed)."""
+        if self._state >= BROKEN or self._qp_error:
+            raise self._closed_error()
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        if self._closed:
+        if self._torn:
+            self._to_closed()
             return
         try:
-            if self._verbs is not None and self.max_message and not (self._dead or self._gone):
+            if self._verbs is not None and self.max_message and not self._state:
                 self._linger()
-            if self.max_message and not self._gone:
+            if self.max_message and not self._side_done:
                 try:
                     self.sock.send(framing.frame_close(), socket.MSG_DONTWAIT)
                 except OSError:
                     pass
         finally:
+            self._to_closed()
+            self._teardown()
+
+    def _abort(self, why: str) -> None:
+        """BROKEN (a protocol error): torn down at once, nothing more is delivered."""
+        self._to_broken(why)
+        if not self._torn:
             self._teardown()
 
     def abort(self) -> None:
         """Tear down at once, saying nothing to the peer (a failed handshake)."""
-        if not self._closed:
+        if not self._torn:
+            self._to_closed()
             self._teardown()
 
     def _linger(self) -> None:
         """Wait (bounded) until what we sent has completed, so it is delivered."""
         deadline = Deadline(min(self.default_timeout, CLOSE_LINGER))
         try:
-            while self._inflight and not self._dead and not self._gone:
+            while self._inflight and not self._state:
                 if not self._reclaim():
                     self._wait(deadline, "closing", send=True)
         except TransportError:
             pass
 
     def _teardown(self) -> None:
-        self._closed = True
+        self._torn = True
         for m in self._inbox:
             m._conn = None
         self._inbox.clear()

@@ -17,7 +17,10 @@ _BACKENDS: dict[str, str] = {
     "tcp": "transport.tcp",
     "shm": "transport.shm",
     "rdma": "transport.rdma",
+    "inproc": "transport.testing.inproc",
 }
+#: backends that are test doubles, not transports (both ends in one process)
+TEST_DOUBLES = frozenset({"inproc"})
 _PUBLIC_API = ("listen", "connect")
 
 
@@ -54,10 +57,13 @@ def connect(url: str, **options: Any) -> Connection:
     return backend(scheme).connect(address, **options)
 
 
-def available_backends() -> list[str]:
-    """Schemes whose module imports here (rdma needs pyverbs and a device to be useful)."""
+def available_backends(include_test_doubles: bool = False) -> list[str]:
+    """Schemes whose module imports here (rdma needs pyverbs and a device to be useful);
+    test doubles (inproc://) only when asked for."""
     ok = []
     for scheme in _BACKENDS:
+        if scheme in TEST_DOUBLES and not include_test_doubles:
+            continue
         try:
             backend(scheme)
             ok.append(scheme)

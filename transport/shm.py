@@ -7,11 +7,24 @@ HELLO both ways, then the segment fd and the doorbell eventfd (SCM_RIGHTS) -- an
 stays open only so that its HUP tells either side, within a poll, that the peer is gone
 (a SIGKILL included).
 
-send writes one small record (framing prefix + msgpack [header, lens, extra]) where
-``extra`` is ``[slot, offset, slot, offset, ...]`` per buffer; the receiver checks it and
-hands out memoryviews straight into the sender's slots. Releasing the message pushes the
-slot ids onto the return ring: that return is the credit. Unregistered buffers are staged
-into one send slot (packed, one copy each, counted).
+Segments are sealed memfds (F_SEAL_SHRINK | F_SEAL_GROW): nothing ever has a name in
+/dev/shm, and since neither side can change a segment's size once it exists, no peer can
+make the other's accesses fault (SIGBUS); a peer's segment without those seals is refused
+before it is mapped.
+
+send writes one small record per message: a framing DATA frame (prefix + msgpack
+[header, lens, extra]) where ``extra`` is ``[slot, offset, slot, offset, ...]`` per
+buffer, or the fixed-tail one-slot form (framing.pack_slot_frame); the receiver parses
+it with framing.parse_slot_record / parse_record and hands out memoryviews straight into
+the sender's slots. Releasing the message pushes the slot ids onto the return ring: that
+return is the credit. Unregistered buffers are staged into send slots (packed, one copy
+each, counted).
+
+A peer can write anything into the words and rings we read from its segment (and into
+the return ring and the words of ours that it owns): every value is checked before use,
+and whatever is wrong makes *this* connection BROKEN with a ProtocolError from its own
+recv/send (transport/base.py's lifecycle), never a crash and never an error raised from
+``Message.release``.
 """
 from __future__ import annotations
 
@@ -25,14 +38,17 @@ import msgpack
 
 from . import framing
 from . import handshake as hs
-from .base import (DEFAULT_NSLOTS, DEFAULT_SLOT_SIZE, DEFAULT_TIMEOUT, Connection, ConnectionStats,
-                   Deadline, Listener, Message, closed_error)
+from .base import (BROKEN, DEFAULT_NSLOTS, DEFAULT_SLOT_SIZE, DEFAULT_TIMEOUT, Connection,
+                   ConnectionStats, Deadline, Listener, Message)
 from .errors import AcceptFailed, ConnectionClosed, ProtocolError, Refused, Timeout
-from .framing import Kind
+from .framing import CLOSE as _CLOSE
+from .framing import DATA as _DATA
+from .framing import SLOT_OVERHEAD, pack_slot_frame, parse_record, parse_slot_record, slot_header
 from .pool import BufferPool, Slot, buffer_address, round_up
 from .shmring import (REC_HDR, W_ARMED_DATA, W_ARMED_SPACE, W_OUT_HEAD, W_OUT_TAIL, W_RUNG, Doorbell, Fence, Layout,
                       RecordReader, RecordWriter, ReturnReader, ReturnWriter, Segment, pow2,
                       ring_bell)
+from .timing import SHM_NAP, SHM_SPIN, SHM_SPIN_MIN
 
 __all__ = ["ShmConnection", "ShmListener", "connect", "listen"]
 
@@ -41,29 +57,13 @@ SOCK_PREFIX = "\0moe-transport/shm/"
 MAX_RECORD = framing.PREFIX_SIZE + framing.MAX_HEADER + 64
 RING_BYTES = pow2(2 * MAX_RECORD + 64)  # 256 KiB
 MAX_RING = 64 << 20
-SPIN = 50e-6  # busy-poll this long before sleeping: on 2 cores a longer spin steals a core
-SPIN_MIN = 5e-6  # an idle connection's spin shrinks to this
-NAP = 0.005  # the longest sleep between re-checks: the safety net under the fence
-_DATA = int(Kind.DATA)
-_CLOSE = int(Kind.CLOSE)
-_PREFIX = framing.PREFIX
-_MAGIC, _VERSION = framing.MAGIC, framing.VERSION
+SPIN, SPIN_MIN, NAP = SHM_SPIN, SHM_SPIN_MIN, SHM_NAP  # the historical names
 _FD_MSG = b"F"
 _CRED = struct.Struct("3i")
 _pack = msgpack.Packer(use_bin_type=True).pack
-_unpackb = msgpack.unpackb
-# The hot-path record: ring length word, framing prefix, then the msgpack header
-# [user, [len], [slot, 0]] written as fixarray(3) + packed user header + a fixed tail
-# (fixarray(1), uint64 len, fixarray(2), uint32 slot, 0): valid msgpack that any decoder
-# reads, and that the receiver recognises with two struct unpacks.
-_WHEAD = struct.Struct("<I4x2sBBIQB")  # 25 bytes: what send() writes before the user header
-_RHEAD = struct.Struct("<IIQB")  # the same prefix read back: magic|version|kind as one u32
-_TAIL = struct.Struct(">HQHIB")  # msgpack is big-endian
-_TAIL_SIZE = _TAIL.size  # 17
-_T1, _T2 = 0x91CF, 0x92CE
-_TAG_DATA = struct.unpack("<I", framing.encode_prefix(Kind.DATA, 0, 0)[:4])[0]
-_FAST_MIN = 16 + 1 + 1 + _TAIL_SIZE  # prefix, fixarray, the smallest user header, tail
+_REC_LEN = struct.Struct("<I")  # the ring's record length word (transport/shmring.py)
 _MAX_HEADER, _MAX_BUFFERS = framing.MAX_HEADER, framing.MAX_BUFFERS
+_MAX_RECORD_LEN = framing.PREFIX_SIZE + _MAX_HEADER  # the longest one-slot record the fast path writes
 
 
 def _sock_name(name: str) -> str:
@@ -174,29 +174,6 @@ def _handshake(sock: socket.socket, role: str, url: str, slot_size: int, nslots:
     return conn
 
 
-class _ShmMessage(Message):
-    """A Message whose release returns its slots without a per-message closure."""
-
-    __slots__ = ("_conn", "_ids")
-
-    def __init__(self, header: Any, buffers: list, conn: "ShmConnection", ids):
-        self.header = header
-        self.buffers = buffers
-        self._on_release = None
-        self.released = False
-        self._conn = conn
-        self._ids = ids  # one slot id (int), or a list of them
-
-    def release(self) -> None:
-        if self.released:
-            return
-        self.released = True
-        for b in self.buffers:
-            b.release()
-        self.buffers = []
-        self._conn._give_back_slots(self._ids)
-
-
 # -- the connection -----------------------------------------------------------------
 class ShmConnection(Connection):
     """One shm connection after the handshake (used by one thread at a time)."""
@@ -229,16 +206,9 @@ class ShmConnection(Connection):
         self._rung_sent = self._pw[W_RUNG]
         self._rung_seen = self._w[W_RUNG]
         self._spin = SPIN
-        self._closed = False
-        self._peer_gone: Optional[str] = None
-        self._usable = True  # not closed and the peer not gone: one test on the hot path
+        self._torn = False  # segments, sockets and fds released (BROKEN by a protocol error, CLOSED)
         self._w[W_ARMED_DATA] = 1  # outside recv a Poller may be sleeping on fileno()
         self._w[W_ARMED_SPACE] = 0
-
-    def _gone(self, why: str) -> None:
-        if self._peer_gone is None:
-            self._peer_gone = why
-        self._usable = False
 
     # -- doorbell -------------------------------------------------------------------
     def _ring(self) -> None:
@@ -264,56 +234,48 @@ class ShmConnection(Connection):
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
-            self._gone(f"peer connection reset ({e})")
+            self._to_peer_gone(f"peer connection reset ({e})")
             return
-        self._gone("peer closed the connection" if not data else "peer wrote to the control socket")
+        self._to_peer_gone("peer closed the connection" if not data else "peer wrote to the control socket")
 
     # -- receive --------------------------------------------------------------------
     def pending(self) -> bool:
-        if self._closed:
-            return False
+        if self._state >= BROKEN:
+            return self._error is not None  # a ProtocolError for recv to raise
         if self._in.ready():
             return True
         self._clear_bell()  # a stale ring would make the fd readable with nothing to read
-        return False
+        # look again: a record pushed after the first look may have rung the bell we just
+        # cleared (the sender rings after pushing), and nobody would announce it again
+        return self._in.ready()
 
     def send_ready(self) -> bool:
-        if not self._usable:
+        if self._state:
             return False
         if not self.send_pool.available and not self._returns.ready():
             return False
         return self._out.room() >= 2 * (REC_HDR + MAX_RECORD)  # room for any record, padding included
 
     def recv(self, timeout: Optional[float] = None) -> Message:
-        if self._closed:
-            raise ConnectionClosed(f"{self.url}: connection is closed")
+        if self._state >= BROKEN:
+            raise self._closed_error()
         inr = self._in
         try:
             n = inr.peek()
             if n < 0:
                 n = self._wait_record(timeout)
             p = inr.pos
-            data = inr.data
             try:
-                # the common record, as send() writes it: [header, [len], [slot, 0]] with
-                # fixed-width ints; anything else takes the general path, same checks
-                if n >= _FAST_MIN:
-                    tag, hlen, plen, arr = _RHEAD.unpack_from(data, p)
-                    q = p + n - _TAIL_SIZE
-                    if tag == _TAG_DATA and arr == 0x93 and n == 16 + hlen and hlen <= _MAX_HEADER:
-                        t1, k, t2, s, z = _TAIL.unpack_from(data, q)
-                        if t1 == _T1 and t2 == _T2 and z == 0 and k == plen \
-                                and k <= self._recv_slot_size and s < self._recv_nslots:
-                            try:
-                                user = _unpackb(data[p + 17 : q], strict_map_key=False)
-                            except Exception:
-                                pass  # not exactly one object: the general path says why
-                            else:
-                                st = self.stats
-                                st.messages_received += 1
-                                st.bytes_received += k
-                                base = s * self._recv_stride
-                                return _ShmMessage(user, [self._recv_mem[base : base + k]], self, s)
+                # the common record, as send() writes it (framing's fixed-tail fast path);
+                # anything else takes the general path, same checks
+                fast = parse_slot_record(inr.data, p, n, self._recv_slot_size, self._recv_nslots)
+                if fast is not None:
+                    user, s, k = fast
+                    st = self.stats
+                    st.messages_received += 1
+                    st.bytes_received += k
+                    base = s * self._recv_stride
+                    return Message(user, [self._recv_mem[base : base + k]], None, self, s)
                 return self._decode(p, n)
             finally:
                 inr.advance()  # the record is parsed into Python objects: free its space
@@ -324,8 +286,8 @@ class ShmConnection(Connection):
                     self._ring()
                 if self._w[W_RUNG] != self._rung_seen:  # we were rung for this record:
                     self._clear_bell()  # unread, the fd would stay readable for a Poller
-        except ProtocolError:
-            self._abort()
+        except ProtocolError as e:
+            self._abort(f"protocol error: {e}")
             raise
 
     def _wait_record(self, timeout: Optional[float]) -> int:
@@ -337,7 +299,7 @@ class ShmConnection(Connection):
         soon after the spin would have, restores it."""
         deadline = Deadline(timeout, self.default_timeout)
         inr, w, pw = self._in, self._w, self._pw
-        if timeout != 0 and self._usable:
+        if timeout != 0 and not self._state:
             head = inr.head
             clock = time.perf_counter
             start = clock()
@@ -359,13 +321,11 @@ class ShmConnection(Connection):
                     waited = time.perf_counter() - start
                     self._spin = SPIN if waited < 4 * SPIN else max(SPIN_MIN, self._spin / 2)
                 return n
-            if not self._usable:
-                if self._closed:
-                    raise ConnectionClosed(f"{self.url}: connection is closed")
-                raise closed_error(self, self._peer_gone)
+            if self._state:
+                raise self._closed_error()
             if deadline.expired():
                 self._bell.wait(0) and self._check_socket()
-                if self._usable:
+                if not self._state:
                     # Woken with nothing to read: the peer's eventfd write can reach us before
                     # its W_RUNG store (a 2-core scheduler may run us in between, for ms), so
                     # _clear_bell would not clear, and a level-triggered poller would spin on
@@ -381,59 +341,30 @@ class ShmConnection(Connection):
             self._sleep(deadline)
 
     def _decode(self, p: int, n: int) -> Message:
-        """Parse and check any record at ``ring[p:p+n]`` in place; views into the slots."""
-        data = self._in.data
-        if n < 16:
-            raise ProtocolError(f"ring record of {n} bytes is shorter than a prefix")
-        magic, ver, kind, hlen, plen = _PREFIX.unpack_from(data, p)
-        if magic != _MAGIC or ver != _VERSION or kind != _DATA or not 0 < hlen <= _MAX_HEADER \
-                or plen > self._recv_slot_size or n != 16 + hlen:
-            return self._odd_record(bytes(data[p : p + 16]), n)
-        try:
-            obj = _unpackb(data[p + 16 : p + n], strict_map_key=False)
-        except Exception as e:  # msgpack raises several unrelated types on garbage
-            raise ProtocolError(f"undecodable header: {e}") from None
-        if type(obj) is not list or len(obj) != 3:
-            raise ProtocolError("header is not [user_header, lengths, extra]")
-        user, lens, extra = obj
-        if type(lens) is not list or type(extra) is not list or len(extra) != 2 * len(lens):
-            raise ProtocolError("shm DATA record without slot descriptors")
-        if len(lens) > _MAX_BUFFERS:
-            raise ProtocolError(f"{len(lens)} buffers exceed the limit of {_MAX_BUFFERS}")
-        mem, stride, size, nslots = self._recv_mem, self._recv_stride, self._recv_slot_size, self._recv_nslots
-        bufs, ids, total = [], [], 0
+        """Any record at ``ring[p:p+n]`` (framing.parse_record checks it); views into the slots."""
+        kind, user, lens, extra, plen = parse_record(self._in.data, p, n, self._recv_slot_size,
+                                                     self._recv_nslots)
+        if kind == _CLOSE:
+            self._to_peer_gone("peer closed the connection")
+            raise self._closed_error()
+        mem, stride = self._recv_mem, self._recv_stride
+        bufs, ids = [], []
         for i, k in enumerate(lens):
-            s, off = extra[2 * i], extra[2 * i + 1]
-            if type(k) is not int or type(s) is not int or type(off) is not int or k < 0 \
-                    or not 0 <= s < nslots or not 0 <= off <= size - k:
-                raise ProtocolError(f"buffer {i} ({k!r} B) outside the peer's slots: slot {s!r} offset {off!r}")
-            total += k
-            base = s * stride + off
+            s = extra[2 * i]
+            base = s * stride + extra[2 * i + 1]
             bufs.append(mem[base : base + k])
             if s not in ids:
                 ids.append(s)
-        if total != plen:
-            for b in bufs:
-                b.release()
-            raise ProtocolError(f"buffer lengths sum to {total}, prefix says {plen}")
         st = self.stats
         st.messages_received += 1
         st.bytes_received += plen
-        return _ShmMessage(user, bufs, self, ids)
+        return Message(user, bufs, None, self, ids)
 
-    def _odd_record(self, prefix: bytes, n: int) -> Message:
-        """Not a plain DATA record: CLOSE, or garbage explained by framing's own checks."""
-        kind, hlen, _ = framing.decode_prefix(prefix, max_payload=self._recv_slot_size)
-        if kind == _CLOSE:
-            self._gone("peer closed the connection")
-            raise closed_error(self, self._peer_gone)
-        if kind == _DATA:
-            raise ProtocolError(f"shm DATA record of {n} bytes for a {hlen}-byte header")
-        raise ProtocolError(f"unexpected {Kind(kind).name} frame on an shm ring")
-
-    def _give_back_slots(self, ids) -> None:
-        """A message was released: its slots go back to the sender, which is the credit."""
-        if self._closed:
+    def _release_message(self, ids) -> None:
+        """A message was released: its slots go back to the sender, which is the credit.
+        A ProtocolError here (the peer corrupted its return ring's head) is turned by
+        Message.release into BROKEN, raised by our next recv/send."""
+        if self._state >= BROKEN:
             return
         if ids.__class__ is int:
             self._give_back.push_one(ids)
@@ -448,7 +379,13 @@ class ShmConnection(Connection):
 
     # -- send -----------------------------------------------------------------------
     def _take_returns(self) -> bool:
-        ids = self._returns.drain()
+        """Our slots the peer gave back, into the pool: ProtocolError (and BROKEN) for ids
+        it never had, ids returned twice, or a corrupted return ring."""
+        try:
+            ids = self._returns.drain()
+        except ProtocolError as e:
+            self._abort(f"protocol error: {e}")
+            raise
         if not ids:
             return False
         free = self.send_pool.free
@@ -456,7 +393,7 @@ class ShmConnection(Connection):
             try:
                 free(i)
             except ValueError as e:
-                self._abort()
+                self._abort(f"protocol error: peer returned a slot it did not have: {e}")
                 raise ProtocolError(f"peer returned a slot it did not have: {e}") from None
         return True
 
@@ -470,11 +407,11 @@ class ShmConnection(Connection):
                 self._rel()
                 if ready():
                     return
-                if not self._usable:
-                    self._check_usable()
+                if self._state:
+                    raise self._closed_error()
                 if deadline.expired():
                     self._bell.wait(0) and self._check_socket()
-                    if not self._usable:
+                    if self._state:
                         continue
                     raise Timeout(f"timed out {what}")
                 self._sleep(deadline)
@@ -493,20 +430,20 @@ class ShmConnection(Connection):
         return slot
 
     def alloc(self, nbytes: int, timeout: Optional[float] = None) -> Slot:
-        if not self._usable:
-            self._check_usable()
+        if self._state:
+            raise self._closed_error()
         if not 0 <= nbytes <= self.max_message:
             raise ValueError(f"{nbytes} bytes exceed the peer's largest message ({self.max_message})")
-        slot = self.send_pool.try_alloc()
+        slot = self.send_pool.try_alloc(nbytes)
         if slot is None:
             slot = self._alloc_slot(Deadline(timeout, self.default_timeout))
-        slot.nbytes = nbytes
+            slot.nbytes = nbytes
         return slot
 
     def send(self, header: Any, buffers: Sequence = (), timeout: Optional[float] = None) -> None:
         if len(buffers) == 1:
             b = buffers[0]
-            if b.__class__ is Slot and b.pool is self.send_pool and self._usable:
+            if b.__class__ is Slot and b.pool is self.send_pool and not self._state:
                 # the hot path: one slot from alloc(), packed straight into the ring
                 try:
                     uh = _pack(header)
@@ -514,15 +451,17 @@ class ShmConnection(Connection):
                     b.release()  # the slot belongs to the transport even when send raises
                     raise TypeError(f"header is not msgpack-serialisable: {e}") from None
                 k = b.nbytes
-                luh = len(uh)
-                hlen = luh + 18
-                reclen = 16 + hlen
+                reclen = SLOT_OVERHEAD + len(uh)
                 out = self._out
-                if hlen <= _MAX_HEADER and (pos := out.reserve(REC_HDR + ((reclen + 7) & ~7))) >= 0:
+                try:
+                    pos = out.reserve(REC_HDR + ((reclen + 7) & ~7)) if reclen <= _MAX_RECORD_LEN else -1
+                except ProtocolError as e:  # the peer corrupted the ring's head
+                    self._abort(f"protocol error: {e}")
+                    raise
+                if pos >= 0:
                     data = out.data
-                    _WHEAD.pack_into(data, pos, reclen, _MAGIC, _VERSION, _DATA, hlen, k, 0x93)
-                    data[pos + 25 : pos + 25 + luh] = uh
-                    _TAIL.pack_into(data, pos + 25 + luh, _T1, k, _T2, b.index, 0)
+                    _REC_LEN.pack_into(data, pos, reclen)
+                    pack_slot_frame(data, pos + REC_HDR, uh, k, b.index)
                     old = out.commit()
                     self._acq()  # full fence: the tail (store) before "armed", head (loads)
                     self._rel()
@@ -532,8 +471,7 @@ class ShmConnection(Connection):
                     st.messages_sent += 1
                     st.bytes_sent += k
                     return
-                head = b"\x93" + uh + _TAIL.pack(_T1, k, _T2, b.index, 0)
-                self._send_head(head, k, [b], timeout, None)
+                self._send_head(slot_header(uh, k, b.index), k, [b], timeout, None)
                 return
         self._send_general(header, buffers, timeout)
 
@@ -541,8 +479,8 @@ class ShmConnection(Connection):
         pool = self.send_pool
         owned = [b for b in buffers if type(b) is Slot and b.pool is pool]
         try:
-            if not self._usable:
-                self._check_usable()
+            if self._state:
+                raise self._closed_error()
             deadline = Deadline(timeout, self.default_timeout)
             lens, extra, total = self._describe(buffers, owned, deadline)
             try:  # not framing.encode_header: it turns a None header into {}
@@ -560,18 +498,21 @@ class ShmConnection(Connection):
         """Write the record prefix + ``head``, waiting (bounded) for ring space."""
         out = self._out
         try:
-            if not self._usable:
-                self._check_usable()
+            if self._state:
+                raise self._closed_error()
             hlen = len(head)
             if hlen > _MAX_HEADER:
                 raise ValueError(f"header of {hlen} bytes exceeds the limit of {_MAX_HEADER}")
             prefix = framing.encode_prefix(_DATA, hlen, total)
             old = out.push(prefix, head)
             if old is None:
-                self._wait_space(lambda: self._usable and out.push(prefix, head) is not None,
+                self._wait_space(lambda: not self._state and out.push(prefix, head) is not None,
                                  deadline or Deadline(timeout, self.default_timeout),
                                  "waiting for ring space")
                 old = -1  # the ring was full, so the peer is busy: no need to ring
+        except ProtocolError as e:  # the peer corrupted the ring's head
+            self._abort(f"protocol error: {e}")
+            raise
         except BaseException:
             for s in owned:
                 s.release()
@@ -625,20 +566,7 @@ class ShmConnection(Connection):
             used = round_up(used + n)
             self.stats.copies += 1
 
-    def _send_raw(self, frame: bytes) -> None:
-        if self._out.push(frame) is None:
-            raise Timeout("ring full")
-        self._acq()
-        self._rel()
-        self._ring()
-
     # -- lifecycle ------------------------------------------------------------------
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise ConnectionClosed(f"{self.url}: connection is closed")
-        if self._peer_gone is not None:
-            raise closed_error(self, self._peer_gone)
-
     def in_registered_memory(self, buf) -> bool:
         mv = memoryview(buf)
         if mv.nbytes == 0:
@@ -646,26 +574,28 @@ class ShmConnection(Connection):
         a = buffer_address(mv)
         return any(lo <= a and a + mv.nbytes <= lo + n for lo, n in self._ranges)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def fileno(self) -> int:
-        return self._bell.ep.fileno() if not self._closed else -1
+        return self._bell.ep.fileno() if not self._torn else -1
 
     def abort(self) -> None:
+        """CLOSED at once, saying nothing to the peer."""
         self._teardown(goodbye=False)
+        self._to_closed()
 
-    def _abort(self) -> None:
+    def _abort(self, why: str) -> None:
+        """BROKEN, and everything released at once (the peer broke the protocol)."""
+        self._to_broken(why)
         self._teardown(goodbye=False)
 
     def close(self) -> None:
-        self._teardown(goodbye=True)
+        self._teardown(goodbye=not self._state)
+        self._to_closed()
 
     def _teardown(self, goodbye: bool) -> None:
-        if self._closed:
+        if self._torn:
             return
-        if goodbye and self._peer_gone is None:
+        self._torn = True
+        if goodbye:
             try:
                 if self._out.push(framing.frame_close()) is not None:
                     self._acq()
@@ -673,8 +603,6 @@ class ShmConnection(Connection):
                     self._ring()
             except ProtocolError:
                 pass
-        self._closed = True
-        self._usable = False
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # the peer's poll sees HUP now
         except OSError:
@@ -685,12 +613,11 @@ class ShmConnection(Connection):
         # drop every view of the segments we made, so that the mappings (and the fds mmap
         # keeps) go now; one the application still exports (a numpy array over a slot or an
         # unreleased message) keeps its mapping alive until it is gone
-        for v in [s._mem for s in self.send_pool._slots] + [self.send_pool.memory, self._recv_mem]:
-            try:
-                v.release()
-            except BufferError:
-                pass
-        self.send_pool._slots = []
+        self.send_pool.close()
+        try:
+            self._recv_mem.release()
+        except BufferError:
+            pass
         self._peer_seg.close()
         self._seg.close()
 

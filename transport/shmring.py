@@ -15,9 +15,9 @@ instruction.
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
-import secrets
 import select
 import struct
 import threading
@@ -43,6 +43,8 @@ W_ARMED_DATA = 8 * 5   # owner: 1 = "ring my bell when you publish a record"
 W_ARMED_SPACE = 8 * 6  # owner: 1 = "ring my bell when you free ring space or return slots"
 W_RUNG = 8 * 7         # peer: how many times it rang the owner's bell
 CTL_WORDS = 8 * 8
+#: the seals every segment must carry before the other side maps it
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
 def round_up(n: int, align: int) -> int:
@@ -51,6 +53,16 @@ def round_up(n: int, align: int) -> int:
 
 def pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def check_sealed(fd: int) -> None:
+    """ProtocolError unless ``fd`` is a memfd sealed against shrinking and growing."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as e:  # EINVAL: not a memfd (a file, a /dev/shm segment...)
+        raise ProtocolError(f"peer segment is not a sealed memfd ({e.strerror})") from None
+    if seals & SEALS != SEALS:
+        raise ProtocolError("peer segment is not sealed against resizing (it could make us fault)")
 
 
 class Fence:
@@ -103,18 +115,19 @@ class Segment:
         self.pool_mem = self.mem[layout.pool_off : layout.pool_off + layout.stride * layout.nslots]
 
     @classmethod
-    def create(cls, layout: Layout, directory: str = "/dev/shm") -> tuple["Segment", int]:
+    def create(cls, layout: Layout) -> tuple["Segment", int]:
         """A fresh segment and its fd (the caller passes the fd to the peer, then closes it).
 
-        Mode 0600 and O_EXCL under a random name; the name is unlinked before we return,
-        because the peer gets the fd over the Unix socket and never needs the name: no
-        crash at any later point can leave anything in /dev/shm.
+        A memfd: it never has a name (nothing can be left in /dev/shm, whatever crashes),
+        mode 0600, and sealed against shrinking and growing (F_SEAL_SEAL too, so the seals
+        stay): the peer that maps it cannot truncate it under us, so no access to it can
+        fault with SIGBUS.
         """
-        path = os.path.join(directory, f"moe-shm-{os.getpid()}-{secrets.token_hex(8)}")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        fd = os.memfd_create("moe-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.unlink(path)
+            os.fchmod(fd, 0o600)
             os.ftruncate(fd, layout.total)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)
             mm = mmap.mmap(fd, layout.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             st = os.fstat(fd)
         except BaseException:
@@ -130,9 +143,11 @@ class Segment:
 
     @classmethod
     def attach(cls, fd: int, *, slot_size: int, nslots: int, max_ring: int, min_ring: int) -> "Segment":
-        """Map the peer's segment from ``fd`` (not closed here), checking its layout against
-        what we told the peer; in this process already? then share that very mapping, so a
-        received buffer *is* the sender's slot."""
+        """Map the peer's segment from ``fd`` (not closed here), checking its seals (a
+        segment the peer could still resize is refused: it could make us fault) and its
+        layout against what we told the peer; in this process already? then share that
+        very mapping, so a received buffer *is* the sender's slot."""
+        check_sealed(fd)
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino)
         mine = _REGISTRY.get(key)

@@ -3,7 +3,8 @@
 Receiving is one syscall per wake-up. The socket stays in blocking mode; a wait is a
 ``recv_into`` that blocks in the kernel for at most the caller's timeout (``SO_RCVTIMEO``,
 set only when it changes), and reads that must not block pass ``MSG_DONTWAIT``. What
-arrives lands in a read buffer where prefixes and headers are parsed in place:
+arrives lands in a read buffer where framing.next_frame parses prefixes and headers in
+place:
 
 - a payload that arrived in the read buffer together with its header (small messages,
   and the first bytes of a large one) is copied from there into a slot of the receive
@@ -17,15 +18,23 @@ Either way ``Message.buffers`` are views of registered memory (the receive pool)
 Sending is one ``sendmsg`` per message: [prefix, header, *buffers], slots and user
 buffers alike go to the kernel as they are. A buffer that is not a slot of this
 connection is counted in ``stats.copies`` as on every backend (it left the registered
-path), although here the kernel's copy is the only one. A send either completes or
-raises before its first byte (Timeout, ValueError, TypeError: the connection is still
-usable); if the deadline passes in the middle of a frame the byte stream cannot be
-resynchronised, so the connection is torn down and ConnectionClosed raised (everything
-sent before is still delivered).
+path), although here the kernel's copy is the only one.
+
+- A blocking send (``timeout`` > 0 or None) either completes or raises before its first
+  byte (Timeout, ValueError, TypeError: the connection is still usable); if the deadline
+  passes in the middle of a frame the byte stream cannot be resynchronised, so the
+  connection is torn down (BROKEN) and ConnectionClosed raised (everything sent before
+  is still delivered).
+- ``send(..., timeout=0)`` never blocks: what the kernel does not take at once stays with
+  the connection (``_out``, with the slots it points into) and is written by later calls
+  -- any send, recv, ``flush()`` -- while ``wants_write()`` says so a poller can wait for
+  POLLOUT. One unfinished frame at a time: while it is, ``send_ready()`` is False and a
+  further ``send(timeout=0)`` raises Timeout (nothing of it sent).
 
 Credits: releasing a message owes the peer a credit; owed credits ride on the next DATA
 frame, or go as a CREDIT frame once half the peer's window is owed or before this side
-waits. Sending credits never blocks: a frame the kernel cannot take goes later.
+waits. Sending credits never blocks: a frame the kernel cannot take goes later (after any
+unfinished DATA frame, never inside one).
 
 A connection is used by one thread at a time (messages too: release them from that
 thread).
@@ -39,38 +48,30 @@ import socket
 import struct
 import termios
 import time
-
-import msgpack
 from typing import Any, Optional, Sequence
 
 from . import framing
-from .base import Connection, ConnectionStats, Message, closed_error
+from .base import BROKEN, OPEN, Connection, ConnectionStats, Message
 from .errors import ConnectionClosed, ProtocolError, Timeout
-from .framing import Kind
+from .framing import next_frame
 from .pool import BufferPool, Slot
+from .timing import TCP_LINGER, TCP_LINGER_POLL, TCP_SEND_SLICE
 
 _IOV_MAX = 1024
 _DONTWAIT = socket.MSG_DONTWAIT
 _WAITALL = socket.MSG_WAITALL
-_SEND_SLICE = 0.05  # a blocked send drains the peer this often (no mutual blocking)
 _POLLIN, _POLLOUT = select.POLLIN, select.POLLOUT
-_POLL_ERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
 _PREFIX = framing.PREFIX
-_TAGGED = struct.Struct("<IIQ")  # the prefix with magic|version|kind as one u32
 _PREFIX_SIZE = framing.PREFIX_SIZE
 _MAGIC, _VERSION = framing.MAGIC, framing.VERSION
-_DATA, _CREDIT, _CLOSE = int(Kind.DATA), int(Kind.CREDIT), int(Kind.CLOSE)
+_DATA, _CREDIT, _CLOSE = framing.DATA, framing.CREDIT, framing.CLOSE
 _MAX_BUFFERS = framing.MAX_BUFFERS
-_TAG_DATA = struct.unpack("<I", _PREFIX.pack(_MAGIC, _VERSION, _DATA, 0, 0)[:4])[0]
-_TAG_CREDIT = struct.unpack("<I", _PREFIX.pack(_MAGIC, _VERSION, _CREDIT, 0, 0)[:4])[0]
 _IDLE_READ = 64 << 10  # read size when no payload is being received
 _READ_AHEAD = 4 << 10  # after the rest of a payload: the next prefix + header (+ a bit)
 _TIMEVAL = struct.Struct("ll")
 _SIOCOUTQNSD = 0x894B  # linux/sockios.h
-_LINGER = 2.0  # close(): longest wait for the kernel to hand our last bytes to the peer
 _monotonic = time.monotonic
 _pack = framing._packer.pack
-_unpackb = msgpack.unpackb
 
 
 def _set_timeo(sock: socket.socket, opt: int, t: float) -> float:
@@ -83,45 +84,16 @@ def _set_timeo(sock: socket.socket, opt: int, t: float) -> float:
     return sec + usec * 1e-6
 
 
-class _StreamMessage(Message):
-    """A Message that gives its slot back to its connection (no closure per message)."""
-
-    __slots__ = ("_conn", "_slot")
-
-    def __init__(self, header: Any, buffers: list, conn: "StreamConnection", slot: Optional[Slot]):
-        self.header = header
-        self.buffers = buffers
-        self.released = False
-        self._conn = conn
-        self._slot = slot
-
-    def release(self) -> None:
-        if self.released:
+def _advance(views: list, n: int) -> None:
+    """Drop the first ``n`` bytes of a list of memoryviews (what a sendmsg wrote)."""
+    while n:
+        k = views[0].nbytes
+        if n >= k:
+            n -= k
+            del views[0]
+        else:
+            views[0] = views[0][n:]
             return
-        self.released = True
-        for b in self.buffers:
-            b.release()
-        self.buffers = []
-        conn = self._conn
-        if conn._closed:
-            return
-        slot = self._slot
-        if slot is not None:
-            self._slot = None
-            _free_slot(slot)
-        conn._owed += 1
-        if conn._owed >= conn._owe_flush:
-            conn._send_control()
-
-
-def _free_slot(slot: Slot) -> None:
-    # BufferPool.free without the call: the slot is one of ours, so its index is valid
-    pool = slot.pool
-    i = slot.index
-    in_use = pool._in_use
-    if in_use[i]:
-        in_use[i] = False
-        pool._free.append(i)
 
 
 class StreamConnection(Connection):
@@ -145,9 +117,7 @@ class StreamConnection(Connection):
         self._owed = 0  # credits we owe the peer (released messages not yet reported)
         self._owe_flush = max(1, recv_pool.nslots // 2)
         self._inbox: collections.deque = collections.deque()
-        self._closed = False
         self._sock_open = True
-        self._peer_gone: Optional[str] = None
         # the read buffer: bytes [_rpos, _rend) are received and not parsed yet
         self._rbuf = bytearray(_PREFIX_SIZE + max_header + _IDLE_READ)
         self._rview = memoryview(self._rbuf)
@@ -157,8 +127,10 @@ class StreamConnection(Connection):
         # a payload being read straight into its slot: the rest of the slot, and the message
         self._want: Optional[memoryview] = None
         self._cur: Any = None
-        # bytes of a control frame (credits, close) the kernel did not take yet
-        self._tail: Optional[memoryview] = None
+        # bytes accepted but not written yet (control frames, the rest of a DATA frame that
+        # a send(timeout=0) left), in order, and the send slots of that frame
+        self._out: Optional[list] = None
+        self._out_slots: Optional[list] = None
         self._rcvtimeo = -1.0  # the kernel's SO_RCVTIMEO / SO_SNDTIMEO as last set
         self._sndtimeo = -1.0
         self._poll = select.poll()
@@ -185,10 +157,10 @@ class StreamConnection(Connection):
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as e:  # reset: what was already read is still delivered
-            self._peer_gone = f"connection reset ({e.strerror or e})"
+            self._to_peer_gone(f"connection reset ({e.strerror or e})")
             return False
         if n == 0:
-            self._peer_gone = "peer closed the connection"
+            self._to_peer_gone("peer closed the connection")
             return False
         if want is None:
             self._rend += n
@@ -203,71 +175,51 @@ class StreamConnection(Connection):
             st = self.stats
             st.messages_received += 1
             st.bytes_received += slot.nbytes
-            self._inbox.append(_StreamMessage(header, bufs, self, slot))
+            self._inbox.append(Message(header, bufs, None, self, slot))
             if n == k:
                 return True
             self._rpos, self._rend = 0, n - k
         try:
             self._parse_frames()
-        except ProtocolError:
-            self._abort()
+        except ProtocolError as e:
+            self._abort(f"protocol error: {e}")
             raise
         return True
 
     def _parse_frames(self) -> None:
-        """Turn the complete frames in the read buffer into messages and credits."""
-        rbuf, rview = self._rbuf, self._rview
+        """Turn the complete frames in the read buffer into messages and credits
+        (framing.next_frame parses; here the payloads go into slots)."""
+        rview = self._rview
         pos, end = self._rpos, self._rend
-        max_header = self.max_header
+        max_header, max_payload = self.max_header, self._max_payload
         inbox = self._inbox
-        while end - pos >= _PREFIX_SIZE:
-            # magic, version and kind in one compare: "MT", VERSION, kind as a u32
-            tag, hlen, plen = _TAGGED.unpack_from(rbuf, pos)
-            if not (tag == _TAG_DATA and 0 < hlen <= max_header and plen <= self._max_payload):
-                if tag == _TAG_CREDIT and not hlen:
-                    self._credits += plen
-                    pos += _PREFIX_SIZE
-                    continue
-                kind, hlen, plen = framing.decode_prefix(
-                    rview[pos : pos + _PREFIX_SIZE], max_header=max_header, max_payload=self._max_payload)
+        try_alloc = self.recv_pool.try_alloc
+        while True:
+            f = next_frame(rview, pos, end, max_header, max_payload)
+            if f is None:
+                break
+            kind, pstart, header, lens, extra, plen = f
+            if kind != _DATA:
                 if kind == _CREDIT:
                     self._credits += plen
-                    pos += _PREFIX_SIZE
+                    pos = pstart
                     continue
                 if kind == _CLOSE:
-                    self._peer_gone = "peer closed the connection"
+                    self._to_peer_gone("peer closed the connection")
                     pos = end  # nothing follows a goodbye
                     break
-                if kind != _DATA:
-                    raise ProtocolError(f"unexpected {Kind(kind).name} frame after the handshake")
-            hstart = pos + _PREFIX_SIZE
-            pstart = hstart + hlen
-            if end < pstart:
-                break  # the header is not all here yet
-            # decode_header, with the one-buffer case checked inline
-            try:
-                header, lens, extra = _unpackb(rview[hstart:pstart], strict_map_key=False)
-                fast = lens.__class__ is list and len(lens) == 1 and lens[0] == plen and lens[0].__class__ is int
-            except Exception:
-                fast = False
-            if not fast:  # anything else gets the full validation (and its ProtocolError)
-                header, lens, extra = framing.decode_header(rview[hstart:pstart], plen)
+                raise ProtocolError("unexpected HELLO frame after the handshake")
             if extra.__class__ is int and extra > 0:
                 self._credits += extra  # credits piggybacked on data
             if not plen:
                 pos = pstart
                 self.stats.messages_received += 1
-                inbox.append(_StreamMessage(header, [self._empty[0:0] for _ in lens], self, None))
+                inbox.append(Message(header, [self._empty[0:0] for _ in lens], None, self, None))
                 continue
-            pool = self.recv_pool
-            free = pool._free
-            if not free:
+            slot = try_alloc(plen)
+            if slot is None:
                 raise ProtocolError("peer sent beyond its credits")
-            i = free.pop()  # LIFO, as BufferPool.try_alloc
-            pool._in_use[i] = True
-            slot = pool._slots[i]
-            slot.nbytes = plen
-            base = slot._mem
+            base = slot.mem
             if len(lens) == 1:
                 bufs = [base[:plen]]
             else:
@@ -284,7 +236,7 @@ class StreamConnection(Connection):
                 st = self.stats
                 st.messages_received += 1
                 st.bytes_received += plen
-                inbox.append(_StreamMessage(header, bufs, self, slot))
+                inbox.append(Message(header, bufs, None, self, slot))
                 continue
             # the rest of the payload is read straight into the slot; while messages are
             # this large, idle reads take little more than a prefix and header, so that
@@ -301,7 +253,7 @@ class StreamConnection(Connection):
             self._rpos = self._rend = 0
         elif pos:  # a partial frame: move it to the front (it is smaller than a header)
             n = end - pos
-            rbuf[:n] = bytes(rview[pos:end])
+            self._rbuf[:n] = bytes(rview[pos:end])
             self._rpos, self._rend = 0, n
         else:
             self._rpos, self._rend = pos, end
@@ -310,14 +262,14 @@ class StreamConnection(Connection):
         self._rcvtimeo = _set_timeo(self.sock, socket.SO_RCVTIMEO, t)
 
     def _wait_readable(self, t: float) -> None:
-        """Read once, waiting up to ``t`` seconds for something to arrive; while control
-        bytes wait for room in the kernel, wake for that as well and send them."""
+        """Read once, waiting up to ``t`` seconds for something to arrive; while bytes of
+        ours wait for room in the kernel, wake for that as well and write them."""
         if t <= 0:
             self._read(_DONTWAIT)
             return
-        if self._tail is not None or (self._owed and self._peer_gone is None):
+        if self._out is not None or (self._owed and not self._state):
             self._send_control()
-            if self._tail is not None or self._owed:
+            if self._out is not None or self._owed:
                 self._poll.modify(self._fd, _POLLIN | _POLLOUT)
                 try:
                     events = self._poll.poll(t * 1000.0 + 0.5)
@@ -336,7 +288,9 @@ class StreamConnection(Connection):
         return bool(self._inbox)
 
     def send_ready(self) -> bool:
-        if self._closed or self._peer_gone is not None or self._credits <= 0 or self._tail is not None:
+        if self._state or self._credits <= 0:
+            return False
+        if self._out is not None and not self._flush_out():
             return False
         # nothing queued in the kernel that it could not send yet: a peer that reads keeps it
         # so, and a frame we start goes out as the peer reads; one that does not read would
@@ -344,24 +298,34 @@ class StreamConnection(Connection):
         fcntl.ioctl(self._fd, _SIOCOUTQNSD, self._outq)
         return self._outq == b"\0\0\0\0"
 
+    def wants_write(self) -> bool:
+        return self._out is not None
+
+    def flush(self) -> bool:
+        if self._state >= BROKEN:
+            return True
+        return self._flush_out()
+
     def recv(self, timeout: Optional[float] = None) -> Message:
         inbox = self._inbox
         if inbox:
             return inbox.popleft()
-        if self._closed:
-            raise ConnectionClosed(f"{self.url}: connection is closed")
+        if self._state >= BROKEN:
+            raise self._closed_error()
+        if self._out is not None:
+            self._flush_out()  # bytes a send(timeout=0) left go on with any call
         t = self.default_timeout if timeout is None else timeout
         end = _monotonic() + t
-        if self._owed and self._peer_gone is None:
+        if self._owed and not self._state:
             # what is already there needs no credits back; before waiting, though, the
             # peer may be waiting for ours (_wait_readable sends them)
             self._read(_DONTWAIT)
             if inbox:
                 return inbox.popleft()
         while True:
-            if self._peer_gone is not None:
-                raise closed_error(self, self._peer_gone)
-            if t > 0 and self._tail is None and not self._owed:  # the common wait, inline
+            if self._state:
+                raise self._closed_error()
+            if t > 0 and self._out is None and not self._owed:  # the common wait, inline
                 if not (t * 0.5 <= self._rcvtimeo <= t):
                     self._set_rcvtimeo(t)
                 self._read(0)
@@ -371,34 +335,58 @@ class StreamConnection(Connection):
                 return inbox.popleft()
             t = end - _monotonic()
             if t <= 0:
-                if self._peer_gone is not None:
-                    raise closed_error(self, self._peer_gone)
+                if self._state:
+                    raise self._closed_error()
                 raise Timeout("timed out waiting for a message")
+
+    def _release_message(self, slot: Optional[Slot]) -> None:
+        """A message was released: its slot goes back to the receive pool, and the peer is
+        owed a credit (sent once half its window is owed, or before we wait)."""
+        if self._state >= BROKEN:
+            return
+        if slot is not None:
+            self.recv_pool.put(slot)
+        self._owed += 1
+        if self._owed >= self._owe_flush:
+            self._send_control()
 
     # -- send -------------------------------------------------------------------------
     def alloc(self, nbytes: int, timeout: Optional[float] = None) -> Slot:
-        if self._closed:
-            raise ConnectionClosed(f"{self.url}: connection is closed")
+        if self._state:
+            raise self._closed_error()
         if not 0 <= nbytes <= self.max_message:
             raise ValueError(f"{nbytes} bytes: a message holds 0..{self.max_message} bytes (the peer's slot)")
-        pool = self.send_pool
-        free = pool._free
-        if not free:  # tcp frees send slots as soon as they are sent: the caller holds them all
-            raise Timeout(f"all {pool.nslots} send slots are held by the caller")
-        i = free.pop()  # LIFO, as BufferPool.try_alloc
-        pool._in_use[i] = True
-        slot = pool._slots[i]
-        slot.nbytes = nbytes
+        slot = self.send_pool.try_alloc(nbytes)
+        if slot is None:
+            slot = self._alloc_slow(nbytes, timeout)
         return slot
+
+    def _alloc_slow(self, nbytes: int, timeout: Optional[float]) -> Slot:
+        # tcp frees send slots as soon as their frame is written: they are held by the
+        # caller, or by a frame that a send(timeout=0) left unfinished
+        if self._out_slots is None:
+            raise Timeout(f"all {self.send_pool.nslots} send slots are held by the caller")
+        end = _monotonic() + (self.default_timeout if timeout is None else timeout)
+        while True:
+            if self._flush_out():
+                slot = self.send_pool.try_alloc(nbytes)
+                if slot is not None:
+                    return slot
+                raise Timeout(f"all {self.send_pool.nslots} send slots are held by the caller")
+            if self._state:
+                raise self._closed_error()
+            t = end - _monotonic()
+            if t <= 0:
+                raise Timeout("timed out waiting for a send slot (the peer is not reading)")
+            self._wait_readable(t)
 
     def send(self, header: Any, buffers: Sequence = (), timeout: Optional[float] = None) -> None:
         slots = None
         pool = self.send_pool
+        kept = False  # the slots stay with an unfinished frame (send(timeout=0))
         try:
-            if self._closed:
-                raise ConnectionClosed(f"{self.url}: connection is closed")
-            if self._peer_gone is not None:
-                raise closed_error(self, self._peer_gone)
+            if self._state:
+                raise self._closed_error()
             views: list = [None, None]
             lens = []
             copies = 0
@@ -408,7 +396,7 @@ class StreamConnection(Connection):
                         slots = [b]
                     else:
                         slots.append(b)
-                    mv = b._mem[: b.nbytes]
+                    mv = b.mem[: b.nbytes]
                     if b.pool is not pool:
                         copies += 1  # a slot of another pool: memory, but not ours
                 else:
@@ -423,6 +411,8 @@ class StreamConnection(Connection):
             total = sum(lens)
             if total > self.max_message:
                 raise ValueError(f"message of {total} bytes exceeds the peer's limit of {self.max_message}")
+            if self._out is not None and not self._flush_out() and timeout == 0:
+                raise Timeout("the previous message is still being written (the peer is not reading)")
             end = None
             if self._credits <= 0:
                 end = _monotonic() + (self.default_timeout if timeout is None else timeout)
@@ -440,23 +430,27 @@ class StreamConnection(Connection):
             self._owed = 0
             size = _PREFIX_SIZE + hlen + total
             try:
-                if self._tail is not None:
-                    raise BlockingIOError  # control bytes go first: the slow path
+                if self._out is not None:
+                    raise BlockingIOError  # bytes accepted before go first: the slow path
                 n = self.sock.sendmsg(views, (), _DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 n = 0
             except OSError as e:
-                self._peer_gone = self._peer_gone or f"send failed ({e.strerror or e})"
-                raise closed_error(self, self._peer_gone) from None
+                self._to_peer_gone(f"send failed ({e.strerror or e})")
+                raise self._closed_error() from None
             except BaseException:
                 self._owed += owed  # nothing of the frame went out
                 raise
             if n != size:
-                try:
-                    self._write_rest(views, n, size, end, timeout)
-                except Timeout:
-                    self._owed += owed  # nothing of the frame went out
-                    raise
+                if timeout == 0 and self._out is None:
+                    self._keep_rest(views, n, buffers, slots)
+                    kept = True
+                else:
+                    try:
+                        self._write_rest(views, n, size, end, timeout)
+                    except Timeout:
+                        self._owed += owed  # nothing of the frame went out
+                        raise
             self._credits -= 1
             st = self.stats
             st.messages_sent += 1
@@ -464,18 +458,64 @@ class StreamConnection(Connection):
             if copies:
                 st.copies += copies
         finally:
-            if slots is not None:
+            if slots is not None and not kept:
                 for s in slots:
                     if s.pool is pool:
-                        _free_slot(s)
+                        pool.put(s)
+
+    def _keep_rest(self, views: list, n: int, buffers: Sequence, slots: Optional[list]) -> None:
+        """send(timeout=0): the kernel took ``n`` bytes of the frame; the rest stays with the
+        connection (later calls write it) with the slots it points into. Bytes of buffers
+        that are not our slots are copied now: the caller may reuse them once send returns."""
+        pool = self.send_pool
+        ours = [True, True] + [b.__class__ is Slot and b.pool is pool for b in buffers]
+        rest = []
+        for v, mine in zip(views, ours):
+            k = len(v) if v.__class__ is bytes else v.nbytes
+            if n >= k:
+                n -= k
+                continue
+            v = memoryview(v)[n:] if n else memoryview(v)
+            n = 0
+            rest.append(v if mine else memoryview(bytes(v)))
+        self._out = rest
+        self._out_slots = [s for s in slots if s.pool is pool] if slots else None
+
+    def _flush_out(self) -> bool:
+        """Write the bytes waiting in ``_out`` without blocking; True once none are left."""
+        out = self._out
+        if out is None:
+            return True
+        sock = self.sock
+        while True:
+            try:
+                n = sock.sendmsg(out[:_IOV_MAX], (), _DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError as e:
+                self._to_peer_gone(f"send failed ({e.strerror or e})")
+                self._drop_out()
+                return False
+            _advance(out, n)
+            if not out:
+                self._drop_out()
+                return True
+            if not n:
+                return False
+
+    def _drop_out(self) -> None:
+        self._out = None
+        slots, self._out_slots = self._out_slots, None
+        if slots:
+            pool = self.send_pool
+            for s in slots:
+                pool.put(s)
 
     def _wait_credits(self, end: float) -> None:
         self.stats.credit_stalls += 1
         while self._credits <= 0:
-            if self._peer_gone is not None:
-                raise closed_error(self, self._peer_gone)
-            if self._closed:
-                raise ConnectionClosed(f"{self.url}: connection is closed")
+            if self._state:
+                raise self._closed_error()
             t = end - _monotonic()
             if t <= 0:
                 raise Timeout("timed out waiting for credits (the peer holds every message)")
@@ -484,15 +524,18 @@ class StreamConnection(Connection):
     def _write_rest(self, views: list, n: int, total: int, end: Optional[float],
                     timeout: Optional[float]) -> None:
         """The slow path of a frame write: ``n`` of ``total`` bytes of ``views`` went out
-        (control bytes pending first, if any). Timeout if nothing of the frame could be
-        written in time; ConnectionClosed (and the connection torn down) if only part."""
-        tail = self._tail
+        (bytes accepted earlier first, if any). Timeout if nothing of the frame could be
+        written in time (what was pending before stays pending); ConnectionClosed (and the
+        connection torn down) if only part of it."""
         frame_start = 0
-        if tail is not None:  # nothing was sent yet: control bytes go first
-            views.insert(0, tail)
-            total += tail.nbytes
-            frame_start = tail.nbytes
-            self._tail = None
+        earlier_slots = None
+        if self._out is not None:  # nothing of ours was sent: the pending bytes go first
+            earlier = self._out
+            frame_start = sum(v.nbytes for v in earlier)
+            views = earlier + views
+            total += frame_start
+            earlier_slots = self._out_slots
+            self._out = self._out_slots = None
         if end is None:
             end = _monotonic() + (self.default_timeout if timeout is None else timeout)
         sent = 0
@@ -500,18 +543,25 @@ class StreamConnection(Connection):
         sock = self.sock
         while True:
             sent += n
-            while views and n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
+            _advance(views, n)
+            if earlier_slots is not None and sent >= frame_start:
+                for s in earlier_slots:  # the earlier frame is all out: its slots are free
+                    self.send_pool.put(s)
+                earlier_slots = None
             if not views:
                 return
-            if n:
-                views[0] = views[0][n:]
             t = end - _monotonic()
             if t <= 0:
                 if sent <= frame_start:
-                    if frame_start:  # what is left of the control bytes goes later
-                        self._tail = memoryview(bytes(views[0][: frame_start - sent]))
+                    if sent < frame_start:  # the rest of the earlier bytes stays pending
+                        keep, left = [], frame_start - sent
+                        for v in views:
+                            if v.nbytes >= left:
+                                keep.append(v[:left])
+                                break
+                            keep.append(v)
+                            left -= v.nbytes
+                        self._out, self._out_slots = keep, earlier_slots
                     raise Timeout("timed out sending (the peer is not reading)")
                 self._break()
                 raise ConnectionClosed(
@@ -519,12 +569,13 @@ class StreamConnection(Connection):
                     "of the frame; a byte stream cannot be resynchronised, so the connection is closed")
             # drain the peer while our socket is full: it may be blocked sending to us
             self._read(_DONTWAIT)
-            if self._closed:
-                raise ConnectionClosed(f"{self.url}: connection is closed")
-            if self._peer_gone is not None:
-                raise closed_error(self, self._peer_gone)
+            if self._state:
+                if earlier_slots is not None:
+                    for s in earlier_slots:
+                        self.send_pool.put(s)
+                raise self._closed_error()
             # then block in the kernel (as a plain sendall does) for a slice of the time
-            t = min(t, _SEND_SLICE)
+            t = min(t, TCP_SEND_SLICE)
             if not (t * 0.5 <= self._sndtimeo <= t):
                 self._sndtimeo = _set_timeo(sock, socket.SO_SNDTIMEO, t)
             try:
@@ -532,106 +583,114 @@ class StreamConnection(Connection):
             except (BlockingIOError, InterruptedError):
                 n = 0
             except OSError as e:
-                self._peer_gone = self._peer_gone or f"send failed ({e.strerror or e})"
-                raise closed_error(self, self._peer_gone) from None
+                self._to_peer_gone(f"send failed ({e.strerror or e})")
+                raise self._closed_error() from None
 
     def _send_control(self) -> None:
-        """Send owed credits (after any pending control bytes) without blocking."""
-        if self._closed or self._peer_gone is not None:
+        """Send owed credits (after any bytes still pending) without blocking."""
+        if self._state:
             return
-        sock = self.sock
+        if self._out is not None and not self._flush_out():
+            return
+        owed = self._owed
+        if not owed:
+            return
+        frame = framing.frame_credit(owed)
+        self._owed = 0
         try:
-            tail = self._tail
-            if tail is not None:
-                n = sock.send(tail, _DONTWAIT)
-                if n < tail.nbytes:
-                    self._tail = tail[n:]
-                    return
-                self._tail = None
-            owed = self._owed
-            if owed:
-                frame = framing.frame_credit(owed)
-                self._owed = 0
-                n = sock.send(frame, _DONTWAIT)
-                if n < _PREFIX_SIZE:
-                    self._tail = memoryview(frame)[n:]
+            n = self.sock.send(frame, _DONTWAIT)
         except (BlockingIOError, InterruptedError):
-            return
+            n = 0
         except OSError as e:
-            self._peer_gone = f"send failed ({e.strerror or e})"
-
-    def _send_raw(self, frame: bytes) -> None:
-        if self._closed:
-            raise ConnectionClosed(f"{self.url}: connection is closed")
-        self._write_rest([memoryview(frame)], 0, len(frame), None, None)
+            self._to_peer_gone(f"send failed ({e.strerror or e})")
+            return
+        if n < _PREFIX_SIZE:
+            self._out = [memoryview(frame)[n:]]
 
     # -- lifecycle --------------------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def fileno(self) -> int:
-        return self._fd if not self._closed else -1
+        return self._fd if self._state < BROKEN else -1
 
     def abort(self) -> None:
-        self._abort()
+        """CLOSED at once, without lingering for a peer that does not read what we sent."""
+        self._abort("aborted by this side")
+        self._to_closed()
 
-    def _abort(self) -> None:
-        """Close at once (after a protocol error: the peer's bytes are not worth keeping)."""
-        if not self._closed:
-            self._closed = True
-            self._inbox.clear()
-            self._want = self._cur = self._tail = None
+    def _abort(self, why: str) -> None:
+        """BROKEN at once (a protocol error: the peer's bytes are not worth keeping)."""
+        self._to_broken(why)
+        self._inbox.clear()
+        self._want = self._cur = None
+        self._drop_out()
         if self._sock_open:
             self._sock_open = False
             self.sock.close()
 
     def _break(self) -> None:
-        """A frame was cut: closed for the caller, FIN after what was written. The socket
-        itself stays open until close(), so bytes the peer still sends (credits) are not
-        answered with a reset that would drop the messages sent before."""
-        self._closed = True
-        self._peer_gone = self._peer_gone or "connection torn down after a cut frame"
+        """A frame was cut: BROKEN, FIN after what was written. The socket itself stays
+        open until close(), so bytes the peer still sends (credits) are not answered with a
+        reset that would drop the messages sent before."""
+        self._to_broken("connection torn down after a cut frame")
         self._inbox.clear()
-        self._want = self._cur = self._tail = None
+        self._want = self._cur = None
+        self._drop_out()
         try:
             self.sock.shutdown(socket.SHUT_WR)
         except OSError:
             pass
 
     def close(self) -> None:
-        """Say goodbye, let the kernel hand our last bytes to the peer (bounded), close."""
+        """Say goodbye after what is pending, let the kernel hand our last bytes to the peer
+        (bounded), close."""
         if not self._sock_open:
-            self._closed = True
+            self._to_closed()
             return
         self._sock_open = False
         sock = self.sock
-        if not self._closed and self._peer_gone is None:
-            try:
-                if self._tail is not None:
-                    sock.send(self._tail, _DONTWAIT)
-                sock.send(framing.frame_close(), _DONTWAIT)
-            except OSError:
-                pass
-        self._closed = True
+        end = _monotonic() + min(TCP_LINGER, self.default_timeout)
+        if self._state == OPEN:
+            if self._out is not None:
+                self._finish_out(end)
+            if self._out is None:
+                try:
+                    sock.send(framing.frame_close(), _DONTWAIT)
+                except OSError:
+                    pass
+        self._to_closed()
         self._inbox.clear()
-        self._want = self._cur = self._tail = None
+        self._want = self._cur = None
+        self._drop_out()
         try:
             sock.shutdown(socket.SHUT_WR)  # FIN after everything queued
         except OSError:
             pass
         try:
-            self._linger(sock)
+            self._linger(sock, end)
         except OSError:
             pass
         sock.close()
 
-    def _linger(self, sock: socket.socket) -> None:
+    def _finish_out(self, end: float) -> None:
+        """close(): write what a send(timeout=0) left, reading meanwhile, until ``end``."""
+        while not self._flush_out() and not self._state:
+            t = end - _monotonic()
+            if t <= 0:
+                return
+            self._poll.modify(self._fd, _POLLIN | _POLLOUT)
+            try:
+                self._poll.poll(t * 1000.0 + 0.5)
+            finally:
+                self._poll.modify(self._fd, _POLLIN)
+            try:
+                self._read(_DONTWAIT)
+            except ProtocolError:
+                return
+
+    def _linger(self, sock: socket.socket, end: float) -> None:
         # Closing a socket that has unread bytes (a credit frame the peer sent meanwhile)
         # makes the kernel reset the connection and drop what we sent and the peer has
         # not received. So drain incoming bytes until the kernel has handed all of ours
         # over, for a bounded time.
-        end = _monotonic() + min(_LINGER, self.default_timeout)
         outq = bytearray(4)
         scratch = self._rview
         while True:
@@ -644,4 +703,4 @@ class StreamConnection(Connection):
             fcntl.ioctl(self._fd, termios.TIOCOUTQ, outq)
             if int.from_bytes(outq, "little") == 0 or _monotonic() >= end:
                 return
-            self._poll.poll(5)
+            self._poll.poll(TCP_LINGER_POLL * 1000.0)

@@ -45,7 +45,6 @@ IDLE_TIMEOUT = 300.0  # a served connection with no message for this long is clo
 MAX_OUTBOX = 64  # replies held for one connection that cannot take them now
 OUTBOX_TIMEOUT = 10.0  # the oldest held reply's age at which its connection is dropped
 OUTBOX_RETRY = 0.005  # how often held replies are retried (shm returns credits without a wake-up)
-SEND_TIMEOUT = 1.0  # a send the connection said it was ready for; a bound, never expected to wait
 ACCEPT_BACKOFF = (0.05, 1.0)  # first and longest pause of a listener out of file descriptors
 LOG_INTERVAL = 10.0  # rate of repeated warnings (accept failures)
 _OUT_OF_FDS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
@@ -193,7 +192,11 @@ class ServeLoop:
             return False
         if not served.outbox and conn.send_ready():
             try:
-                conn.send(header, buffers, timeout=SEND_TIMEOUT)
+                # timeout 0: what the kernel does not take at once stays with the connection
+                # (wants_write), finished by flush() below, never waited for here
+                conn.send(header, buffers, timeout=0)
+                if conn.wants_write():
+                    self._held.add(conn)
                 return True
             except (ConnectionClosed, ProtocolError) as e:
                 self.close_connection(conn, f"send failed: {e}")
@@ -248,10 +251,16 @@ class ServeLoop:
                 self._held.discard(conn)
                 continue
             box = served.outbox
+            try:
+                if conn.wants_write():
+                    conn.flush()
+            except (ConnectionClosed, ProtocolError) as e:
+                self.close_connection(conn, f"send failed: {e}")
+                continue
             while box and conn.send_ready():
                 header, bufs, _ = box.popleft()
                 try:
-                    conn.send(header, bufs, timeout=SEND_TIMEOUT)
+                    conn.send(header, bufs, timeout=0)
                 except Timeout:
                     self.stats.slow_dropped += 1
                     self.close_connection(conn, "send timed out although the connection was ready")
@@ -261,9 +270,9 @@ class ServeLoop:
                     break
             if conn not in self._served:
                 continue
-            if not box:
+            if not box and not conn.wants_write():
                 self._held.discard(conn)
-            elif now - box[0][2] > self.outbox_timeout:
+            elif box and now - box[0][2] > self.outbox_timeout:
                 self.stats.slow_dropped += 1
                 self.close_connection(conn, f"held replies for {now - box[0][2]:.1f} s: it does not read")
 
