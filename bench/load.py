@@ -949,15 +949,23 @@ def _run(args: argparse.Namespace) -> int:
         write_json_atomic(args.json, _nan_to_none(doc))
         note(f"wrote {args.json}")
     if args.plot:
-        if measured:
-            try:
-                R.plot(measured, models, args.plot, args.mode, args.slo_tpot_ms)
-                note(f"wrote {args.plot}")
-            except ImportError as e:
-                note(f"no plot: {e}")
-        else:
-            note("no plot: nothing measured")
+        write_plot(lambda: R.plot(measured, models, args.plot, args.mode, args.slo_tpot_ms), args.plot,
+                   bool(measured))
     return rc
+
+
+def write_plot(draw, path: str, anything: bool = True) -> bool:
+    """Run ``draw`` (which writes ``path``); without matplotlib, say which extra brings it."""
+    if not anything:
+        note("no plot: nothing measured")
+        return False
+    try:
+        draw()
+    except ImportError as e:
+        note(f"no plot: {e} (pip install 'moe-transport[bench]')")
+        return False
+    note(f"wrote {path}")
+    return True
 
 
 def _nan_to_none(x):

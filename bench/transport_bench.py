@@ -206,7 +206,8 @@ def make_peers(backend: str, max_size: int, with_peers: bool, *, slot_size: Opti
         import zmq  # noqa: F401
         others.append(peers.ZmqPeer(max_size, transport=zmq_medium(backend), server_cpu=server_cpu))
     except ImportError:
-        print("note: pyzmq is not installed here; its rows are left out", file=sys.stderr)
+        print("note: pyzmq is not installed here; its rows are left out (pip install 'moe-transport[bench]')",
+              file=sys.stderr)
     others.append(peers.PipePeer(max_size, server_cpu=server_cpu))
     return ours + others
 
