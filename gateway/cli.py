@@ -211,7 +211,8 @@ def serve_main(args) -> int:
             from transport.service.metrics import serve
 
             try:
-                serve(GatewayMetrics(server).attach().registry, args.metrics_port, args.metrics_addr)
+                gm = GatewayMetrics(server).attach()
+                serve(gm.registry, args.metrics_port, args.metrics_addr, health=gm.health())
             except Exception as e:
                 print(f"moe-gateway: metrics: {e}", file=sys.stderr)
                 return 2

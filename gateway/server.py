@@ -27,6 +27,7 @@ from gateway.batcher import Batcher
 from gateway.pool import WorkerPool
 from gateway.rounds import BatchStats, Request
 from gateway.update import UpdateError
+from transport.service.connbook import ConnectionBook
 from transport.service.loop import ServeLoop
 from workers import protocol as P
 
@@ -119,6 +120,7 @@ class GatewayServer:
         self._draining_since: Optional[float] = None
         self.on_round = None  # callable(BatchStats, queue_s) after each round (metrics)
         self.on_request = None  # callable(seconds, ok) after each answered request (metrics)
+        self.conn_book = ConnectionBook("client")  # stable connection names for the metrics
 
     # -- what others read --------------------------------------------------------------------
     @property
@@ -135,6 +137,11 @@ class GatewayServer:
 
     def clients(self) -> list:
         return self.loop.connections("clients")
+
+    @property
+    def draining(self) -> bool:
+        """Stopping: no new requests are accepted (readiness says no)."""
+        return self._stop or self._draining_since is not None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -170,9 +177,11 @@ class GatewayServer:
     def _opened(self, conn) -> None:
         self.stats.clients_accepted += 1
         self.stats.clients_open = len(self.clients())
+        self.conn_book.opened(conn)
 
     def _closed(self, conn, why: Optional[str]) -> None:
         self.stats.clients_open = len(self.clients())
+        self.conn_book.closed(conn)
         for req in self.batcher.remove(lambda r: r.tag.conn is not conn):  # nobody is left to answer
             req.tag.msg.release()
 

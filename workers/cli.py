@@ -107,9 +107,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         from transport.service.metrics import maybe_serve
-        from workers.metrics import worker_registry
+        from workers.metrics import worker_health, worker_registry
 
-        maybe_serve(lambda: worker_registry(daemon), args)
+        maybe_serve(lambda: worker_registry(daemon), args, health=worker_health(daemon))
     except Exception as e:
         print(f"moe-worker: metrics: {e}", file=sys.stderr)
         return 2
