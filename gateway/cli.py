@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     bat.add_argument("--max-inflight-rounds", type=int, default=2, help="rounds out at the workers at once")
     bat.add_argument("--max-batch-requests", type=int, default=256, help="requests per round at most")
     bat.add_argument("--no-split", action="store_true", help="never split one expert's tokens over replicas")
+    bat.add_argument("--batching", default="fifo", choices=["fifo", "expert-aware"],
+                     help="which queued requests a round takes: the oldest first, or those sharing the round's "
+                          "experts (the oldest and any waiting --max-wait-ms always go; gateway/batcher.py)")
+    bat.add_argument("--balancing", default="load-aware", choices=["load-aware", "least-loaded"],
+                     help="replicated experts: the replica with the fewest outstanding rows (a big expert split "
+                          "over replicas), or each expert whole to the replica with the least outstanding work "
+                          "in measured seconds (gateway/replicas.py)")
     srv = p.add_argument_group("service")
     srv.add_argument("--max-connections", type=int, default=1024, help="client connections at once (more are refused)")
     srv.add_argument("--idle-timeout", type=float, default=300.0,
@@ -186,7 +193,7 @@ def serve_main(args) -> int:
             urls = local.urls
         pool = WorkerPool(urls, router, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
                           timeout=args.worker_timeout, connect_timeout=args.connect_timeout,
-                          split_replicas=not args.no_split, secret=secret)
+                          split_replicas=not args.no_split, secret=secret, balancing=args.balancing)
         if local is not None:
             local.post = pool.loop.call_soon_threadsafe
             local.on_moved = pool.workers.set_url
@@ -194,7 +201,8 @@ def serve_main(args) -> int:
         server = GatewayServer(pool, args.listen, max_batch_tokens=args.max_batch_tokens,
                                max_wait_ms=args.max_wait_ms, max_inflight_rounds=args.max_inflight_rounds,
                                max_batch_requests=args.max_batch_requests, secret=secret,
-                               max_connections=args.max_connections, idle_timeout=args.idle_timeout or None)
+                               max_connections=args.max_connections, idle_timeout=args.idle_timeout or None,
+                               batching=args.batching)
         server.local = local
     except SystemExit:
         raise

@@ -85,6 +85,7 @@ class WorkerLink:
     compute_seconds: float = 0.0
     expert_rows: dict = field(default_factory=dict)  # expert_id -> rows sent
     cpu_s: float = 0.0  # the worker process's CPU seconds, as its last reply said
+    seconds_per_row: Optional[float] = None  # its compute per row, a moving average of its replies
     pid: Optional[int] = None
     last_heard: float = 0.0
     ping_sent: Optional[float] = None
