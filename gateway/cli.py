@@ -2,7 +2,7 @@
 
     moe-gateway --listen tcp://127.0.0.1:7000 --workers tcp://10.0.0.2:5000,tcp://10.0.0.3:5000
     moe-gateway --listen shm://gw --local-workers 2 --backend shm      # spawns, supervises and owns them
-    moe-gateway update --gateway tcp://127.0.0.1:7000 start --experts 3 --version 1 --seed 7 --wait
+    moe-gateway update --gateway tcp://127.0.0.1:7000 start --experts 3 --new-version 1 --seed 7 --wait
     moe-gateway update --gateway tcp://127.0.0.1:7000 advance       # 1% -> 5% -> 25% -> 50% -> 100%
     moe-gateway update --gateway tcp://127.0.0.1:7000 finish        # (or rollback)
 
@@ -246,7 +246,8 @@ def add_update_parser(sub) -> argparse.ArgumentParser:
     st = acts.add_parser("start", formatter_class=options.HelpFormatter,
                          help="load the new version everywhere; traffic starts at the first step")
     st.add_argument("--experts", required=True, type=options.int_list, help="e.g. 3 or 0-3 or 1,5")
-    st.add_argument("--version", type=int, required=True, help="the new version number (>= 0)")
+    st.add_argument("--new-version", dest="version", type=int, required=True, metavar="N",
+                    help="the new weights' version number (>= 0)")
     source = st.add_mutually_exclusive_group(required=True)
     source.add_argument("--weights", help=".npz (SwiGLUExpert.save_many) in the workers' --update-dir")
     source.add_argument("--seed", type=int, help="demo weights from this seed")

@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nslots", type=int, default=8, help="receive slots (credits) per connection")
     t.add_argument("--io-timeout", type=float, default=10.0, help="bound on every transport wait, seconds")
     t.add_argument("--max-connections", type=int, default=64, help="connections served at once (more are refused)")
-    t.add_argument("--idle-timeout", type=float, default=None,
-                   help="close a connection idle this long, seconds (default: never; gateways ping)")
+    t.add_argument("--idle-timeout", type=float, default=0.0,
+                   help="close a connection idle this long, seconds (0: never, as gateways ping)")
     options.add_security(t, service=True)
     r = p.add_argument_group("process")
     r.add_argument("--threads", type=int, default=1, help="BLAS threads (1: the stable choice on few cores)")
@@ -99,7 +99,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               drain_timeout=args.drain_timeout, drain_idle=args.drain_idle,
                               watch_parent=os.getppid() if args.exit_with_parent else None, secret=secret,
                               update_dir=args.update_dir, max_connections=args.max_connections,
-                              idle_timeout=args.idle_timeout)
+                              idle_timeout=args.idle_timeout or None)
     except SystemExit:
         raise
     except Exception as e:
