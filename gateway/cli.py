@@ -132,6 +132,9 @@ def local_workers(args, secret_path: Optional[str]):
     return LocalWorkers(commands, threads=args.worker_threads)
 
 
+PROBE_MAX_PEER_SLOT = 1 << 30  # the probe sends one small INFO; the bound only stops an absurd peer
+
+
 def probe_layer(url: str, secret: Optional[bytes], timeout: float) -> dict:
     """The first worker's info (d_model, dtype) when the user did not say."""
     import time
@@ -142,7 +145,10 @@ def probe_layer(url: str, secret: Optional[bytes], timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            conn = transport.connect(url, slot_size=1 << 16, nslots=2, timeout=min(5.0, timeout), secret=secret)
+            # the worker's slots are sized for its --max-tokens rows of ITS d_model, which is what
+            # we are asking: accept any size here (the default limit, 4 MiB, refused d_model 1024)
+            conn = transport.connect(url, slot_size=1 << 16, nslots=2, timeout=min(5.0, timeout), secret=secret,
+                                     max_peer_slot_size=PROBE_MAX_PEER_SLOT)
             break
         except transport.Refused:
             raise

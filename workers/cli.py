@@ -90,8 +90,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     limits = threadpool_limits(limits=args.threads)  # noqa: F841 (kept for the process's life)
     options.raise_fd_limit()
     try:
-        # a worker uses a secret only when given one: it never creates the default file
+        # as the gateway: without a secret, the per-user default one (created, 0600, if none
+        # exists yet), so a gateway and workers one user starts on a host find the same secret
+        # and authenticate each other; --insecure (a trusted network, other hosts) keeps none
         secret, _ = secrets.resolve(args.secret_file, use_default=False)
+        if secret is None and not args.insecure:
+            try:
+                secret, _ = secrets.create_default()
+            except OSError as e:  # no writable home (a container): no secret, loopback only
+                log.warning("no shared secret: cannot create the per-user default (%s)", e)
         options.check_exposure(args.listen, secret, args.insecure, "moe-worker")
         experts = load_experts(args)
         daemon = WorkerDaemon(experts, args.listen, max_tokens=args.max_tokens, slot_size=args.slot_size,
