@@ -63,31 +63,74 @@ def summary(point: dict, res: dict) -> dict:
     return out
 
 
+def config_of(args, pt: dict) -> tuple:
+    """The point's effective configuration (what a gateway started for it varies in)."""
+    keys = ("n_experts", "top_k", "d_model", "batching", "balancing", "max_inflight_rounds")
+    return tuple((k, pt["value"] if k == pt["axis"] else getattr(args, k)) for k in keys)
+
+
+def combine(pt: dict, trials: list[dict]) -> dict:
+    """One point over its repeats: medians of the figures at each repeat's knee, their range,
+    and every repeat's knee."""
+    ok = [t for t in trials if t.get("at_knee")]
+    out = {**pt, "trials": trials, "knees": [t.get("knee") for t in trials],
+           "marks": [t.get("mark", "") for t in trials], "error": next((t.get("error") for t in trials
+                                                                         if t.get("error")), None),
+           "gateway_config": next((t.get("gateway_config") for t in trials if t.get("gateway_config")), None),
+           "records": [dict(r, trial=j) for j, t in enumerate(trials) for r in t.get("records", [])]}
+    if ok:
+        med = {k: float(np.median([t["at_knee"][k] for t in ok if t["at_knee"].get(k) is not None]))
+               for k in ("tokens_per_s", "request_throughput", "tpot_mean_ms", "tpot_p99_ms", "ttft_p99_ms",
+                         "e2e_mean_ms") if any(t["at_knee"].get(k) is not None for t in ok)}
+        pp = [t["at_knee"]["passes_per_round"] for t in ok if t["at_knee"].get("passes_per_round") is not None]
+        med["passes_per_round"] = float(np.median(pp)) if pp else None
+        med["tpot_p99_reliable"] = all(t["at_knee"]["tpot_p99_reliable"] for t in ok)
+        med["stage_ms"] = {k: float(np.median([t["at_knee"]["stage_ms"].get(k, 0.0) for t in ok
+                                                 if t["at_knee"].get("stage_ms")] or [0.0]))
+                           for k in ("queue", "route", "dispatch", "compute", "wait", "combine")}
+        tps = [t["at_knee"]["tokens_per_s"] for t in ok]
+        out["at_knee"] = med
+        out["tokens_per_s_range"] = [min(tps), max(tps)]
+        busiest = [t["gateway_routing"]["max_over_mean"] for t in ok
+                   if (t.get("gateway_routing") or {}).get("max_over_mean") is not None]
+        out["gateway_routing"] = {"max_over_mean": float(np.median(busiest)) if busiest else None,
+                                  "trials": [t.get("gateway_routing") for t in trials]}
+    # a lower bound only if no repeat reached its knee; "<" if every repeat saturated at once
+    marks = set(out["marks"])
+    out["mark"] = ">=" if marks == {">="} else ("<" if marks == {"<"} else "")
+    return out
+
+
 def run_points(args, prov: dict) -> int:
     from bench.provenance import write_json_atomic
 
     backend = (args.backend or ["shm"])[0]
-    points, rc = [], 0
-    for i, pt in enumerate(args.points):
-        pargs = copy.copy(args)
-        setattr(pargs, pt["axis"], pt["value"])
-        pargs.explicit = set(args.explicit) | {pt["axis"]}
-        pargs.plan = [("moe-transport", backend)]
-        note(f"point {i + 1}/{len(args.points)}: {pt['label']}")
-        try:
-            res = measure(pargs)
-        except ConfigError as e:
-            note(f"  {pt['label']}: {e}")
-            points.append({**pt, "error": str(e), "rc": 2, "records": []})
-            rc = 2
-            continue
-        s = summary(pt, res)
-        points.append(s)
-        rc = max(rc, res["rc"])
-        a = s.get("at_knee")
-        if a:
-            note(f"  {pt['label']}: {(s['knee'] or {}).get('text')}; {a['tokens_per_s']:.0f} tokens/s, "
-                 f"TPOT mean {a['tpot_mean_ms']:.2f} ms p99 {a['tpot_p99_ms']:.2f} ms")
+    trials: list[list[dict]] = [[] for _ in args.points]
+    rc = 0
+    repeat = max(1, args.repeat)
+    for rep in range(repeat):  # interleaved: a drift in the machine's load hits every point alike
+        for i, pt in enumerate(args.points):
+            pargs = copy.copy(args)
+            setattr(pargs, pt["axis"], pt["value"])
+            pargs.explicit = set(args.explicit) | {pt["axis"]}
+            pargs.plan = [("moe-transport", backend)]
+            note(f"point {i + 1}/{len(args.points)}{f', repeat {rep + 1}/{repeat}' if repeat > 1 else ''}: "
+                 f"{pt['label']}")
+            try:
+                res = measure(pargs)
+            except ConfigError as e:
+                note(f"  {pt['label']}: {e}")
+                trials[i].append({**pt, "error": str(e), "rc": 2, "records": []})
+                rc = 2
+                continue
+            s = summary(pt, res)
+            trials[i].append(s)
+            rc = max(rc, res["rc"])
+            a = s.get("at_knee")
+            if a:
+                note(f"  {pt['label']}: {(s['knee'] or {}).get('text')}; {a['tokens_per_s']:.0f} tokens/s, "
+                     f"TPOT mean {a['tpot_mean_ms']:.2f} ms p99 {a['tpot_p99_ms']:.2f} ms")
+    points = [combine(pt, t) for pt, t in zip(args.points, trials)]
     md = markdown(args, prov, points)
     print(md, flush=True)
     if args.markdown:
@@ -97,7 +140,7 @@ def run_points(args, prov: dict) -> int:
     if args.json:
         doc = {"provenance": prov, "experiment": {"kind": args.points[0]["kind"],
                                                   "axes": sorted({p["axis"] for p in args.points}),
-                                                  "load": _load_meta(args)},
+                                                  "repeat": repeat, "load": _load_meta(args)},
                "points": points}
         write_json_atomic(args.json, _nan_to_none(doc))
         note(f"wrote {args.json}")
@@ -117,11 +160,22 @@ def _load_meta(args) -> dict:
             "noisy": args.noisy, "noise_std": args.noise_std, "gate_bias": args.gate_bias,
             "capacity_factor": args.capacity_factor, "max_inflight_rounds": args.max_inflight_rounds,
             "max_wait_ms": args.max_wait_ms, "scenario": args.scenario, "slo_tpot_ms": args.slo_tpot_ms,
-            "seed": args.seed}
+            "seed": args.seed, "repeat": max(1, getattr(args, "repeat", 1) or 1)}
 
 
 def _f(v, fmt: str = "{:.2f}") -> str:
     return "-" if v is None or (isinstance(v, float) and not np.isfinite(v)) else fmt.format(v)
+
+
+def _knee_text(knee: Optional[dict]) -> str:
+    knee = knee or {}
+    if knee.get("reached"):
+        return f"{knee['rate']:g}"
+    if knee.get("at_least") is not None:
+        return f">= {knee['at_least']:g}"
+    if knee.get("below") is not None:
+        return f"< {knee['below']:g}"
+    return "-"
 
 
 def _row(p: dict, first_col: str) -> str:
@@ -129,20 +183,16 @@ def _row(p: dict, first_col: str) -> str:
     if a is None:
         why = p.get("error") or "nothing measured"
         return f"| {first_col} | - | - | - | - | - | - | - | {why} |"
-    knee = p.get("knee") or {}
-    if knee.get("reached"):
-        knee_txt = f"{knee['rate']:g}"
-    elif knee.get("at_least") is not None:
-        knee_txt = f">= {knee['at_least']:g} (not reached)"
-    else:
-        knee_txt = f"< {knee.get('below', 0):g} (first step saturated)"
+    knee_txt = " / ".join(_knee_text(k) for k in p.get("knees", [p.get("knee")]))
+    lo, hi = p.get("tokens_per_s_range", [a["tokens_per_s"]] * 2)
+    spread = f" ({lo:.0f}-{hi:.0f})" if hi > lo else ""
     p99 = _f(a["tpot_p99_ms"]) + ("" if a["tpot_p99_reliable"] else "*")
     gr = p.get("gateway_routing") or {}
     busiest = _f(gr.get("max_over_mean"), "{:.2f}x")
     st = a.get("stage_ms") or {}
     stages = " / ".join(_f(st.get(k)) for k in ("queue", "dispatch", "wait", "combine")) if st else "-"
-    return (f"| {first_col} | {knee_txt} | {p['mark']}{a['tokens_per_s']:.0f} | {_f(a['tpot_mean_ms'])} | {p99} | "
-            f"{_f(a['ttft_p99_ms'], '{:.1f}')} | {_f(a.get('passes_per_round'))} | {stages} | {busiest} |")
+    return (f"| {first_col} | {knee_txt} | {p['mark']}{a['tokens_per_s']:.0f}{spread} | {_f(a['tpot_mean_ms'])} | "
+            f"{p99} | {_f(a['ttft_p99_ms'], '{:.1f}')} | {_f(a.get('passes_per_round'))} | {stages} | {busiest} |")
 
 
 HEAD = ("| {col} | knee req/s | tokens/s at the knee | latency mean ms | latency p99 ms | TTFT p99 ms "
@@ -177,7 +227,10 @@ def markdown(args, prov: dict, points: list[dict]) -> str:
              "at the knee step; tokens/s counts rows through the MoE layer; `>=` marks a top step when no step "
              "saturated (a lower bound), `<` a first step that already had; `*` a p99 from fewer than 100 samples",
              "- passes per round: forward passes (requests to the gateway) per dispatch round; busiest expert: its "
-             "rows over the mean expert's, from the gateway's own counters (the routing it really did)"]
+             "rows over the mean expert's, from the gateway's own counters (the routing it really did)",
+             (f"- every point measured {m['repeat']} times, interleaved (A B A B ...): knees of each repeat, "
+              f"figures the median, tokens/s (min-max)" if m["repeat"] > 1 else
+              "- every point measured once (--repeat N for several, interleaved)")]
     if kind == "sweep":
         axis = points[0]["axis"]
         lines += ["", HEAD.format(col=AXIS_TITLE[axis]), SEP]
@@ -187,24 +240,62 @@ def markdown(args, prov: dict, points: list[dict]) -> str:
             group = [p for p in points if p["axis"] == axis]
             base = group[0]
             lines += ["", f"**{AXIS_TITLE[axis]}** (against {base['value']})", "",
-                      HEAD.format(col=AXIS_TITLE[axis]).rstrip("|") + "| tokens/s vs first | p99 latency vs first |",
-                      SEP + "---|---|"]
+                      HEAD.format(col=AXIS_TITLE[axis]).rstrip("|") + "| tokens/s vs first | p99 latency vs first "
+                                                                     "| tokens/s at the knee, against the first |",
+                      SEP + "---|---|---|"]
             for p in group:
                 lines.append(_row(p, str(p["value"])) + f" {_ratio(p, base, 'tokens_per_s')} | "
-                                                         f"{_ratio(p, base, 'tpot_p99_ms')} |")
+                                                         f"{_ratio(p, base, 'tpot_p99_ms')} | {_verdict(p, base)} |")
             if axis == "balancing" and (base.get("gateway_config") or {}).get("replicas", 1) <= 1:
                 lines.append("\nno expert has two hosts (--replicas 1): both balancing policies choose alike")
+    lines += noise_floor(args, points)
     lines += ["", "<details><summary>every ramp step</summary>", "",
               "| point | step | target req/s | req/s | tokens/s | TPOT ms mean / p50 / p99 | queue p99 ms | verdict |",
               "|---|---|---|---|---|---|---|---|"]
     for p in points:
         for r in p.get("records", []):
             t = r["tpot_ms"]
-            lines.append(f"| {p['label']} | {r.get('step', 0) + 1} | {r['target_rate']:.2f} | "
+            trial = f" #{r['trial'] + 1}" if m["repeat"] > 1 else ""
+            lines.append(f"| {p['label']}{trial} | {r.get('step', 0) + 1} | {r['target_rate']:.2f} | "
                          f"{r['request_throughput']:.2f} | {r['tokens_per_s']:.0f} | {_f(t['mean'])} / {_f(t['p50'])} / "
                          f"{_f(t['p99'])} | {_f(r['queue_ms']['p99'], '{:.1f}')} | {r['verdict']} |")
     lines += ["", "</details>"]
     return "\n".join(lines)
+
+
+def _verdict(p: dict, base: dict) -> str:
+    """Whether tokens/s at the knee differs from the first variant beyond the spread of the
+    measurements (with one repeat, the ramp's step is the only resolution there is)."""
+    if p is base:
+        return "-"
+    a, b = p.get("tokens_per_s_range"), base.get("tokens_per_s_range")
+    if not a or not b:
+        return "-"
+    if a[0] > b[1]:
+        return "higher, beyond the spread" if len(p.get("trials", [])) > 1 else "higher (one run each)"
+    if a[1] < b[0]:
+        return "lower, beyond the spread" if len(p.get("trials", [])) > 1 else "lower (one run each)"
+    return "within the spread"
+
+
+def noise_floor(args, points: list[dict]) -> list[str]:
+    """The same configuration met at several points (a comparison's baselines are often one
+    configuration): their spread is the run-to-run noise on this machine, said as such."""
+    groups: dict = {}
+    for p in points:
+        if p.get("at_knee"):
+            groups.setdefault(config_of(args, p), []).append(p)
+    out = []
+    for cfg, ps in groups.items():
+        figs = [t["at_knee"]["tokens_per_s"] for p in ps for t in p.get("trials", []) if t.get("at_knee")]
+        if len(figs) < 2:
+            continue
+        desc = ", ".join(f"{AXIS_TITLE[k]} {v}" for k, v in cfg)
+        out += ["", f"**noise floor**: one configuration ({desc}) measured {len(figs)} times here "
+                    f"({', '.join(p['label'] for p in ps)}): tokens/s at the knee "
+                    f"{', '.join(f'{v:.0f}' for v in figs)} (max/min {max(figs) / min(figs):.2f}x); a difference "
+                    f"smaller than that is not a finding"]
+    return out
 
 
 def _ratio(p: dict, base: dict, key: str) -> str:

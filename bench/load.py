@@ -164,6 +164,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="one ramp per variant, each against the first: batching=fifo,expert-aware, "
                          "balancing=load-aware,least-loaded, max_inflight_rounds=1,2 (pipelining); repeatable, "
                          "each axis varied alone")
+    ex.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="measure every point N times, interleaved, and report medians and the spread (default 1)")
     req = p.add_argument_group("requests")
     req.add_argument("--prefill", type=int, default=None, help=f"prompt tokens (default {DEMO['prefill']})")
     req.add_argument("--decode", type=int, default=None, help=f"decode steps (default {DEMO['decode']})")

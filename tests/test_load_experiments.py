@@ -78,13 +78,37 @@ def test_sweep_table_has_a_row_per_value_with_knee_figures():
         res = {"runs": [{"records": [_rec(0, 10, False, 100), _rec(1, 20, False, tps), _rec(2, 30, True, 300)],
                          "knee": {"reached": True, "rate": 20, "text": "knee 20"}, "gateway_config": {}}],
                "models": {"gateway_routing": {"max_over_mean": 1.25}}, "rc": 0}
-        points.append(X.summary(pt, res))
+        points.append(X.combine(pt, [X.summary(pt, res)]))
     md = X.markdown(args, {"version": "0", "commit": None, "command": "moe-bench load --sweep n_experts=8,16"},
                     points)
     rows = [ln for ln in md.splitlines() if ln.startswith("| 8 |") or ln.startswith("| 16 |")]
     assert len(rows) == 2
     assert rows[0].split(" | ")[1:4] == ["20", "250", "5.00"] and rows[1].split(" | ")[2] == "180"
     assert "1.25x" in rows[0] and "| experts | knee req/s | tokens/s at the knee | latency mean ms" in md
+
+
+def test_repeats_combine_into_medians_and_the_noise_floor_is_reported():
+    args = parse("--compare", "batching=fifo,expert-aware", "--compare", "inflight=1,2", "--repeat", "3")
+
+    def trial(pt, tps):
+        res = {"runs": [{"records": [_rec(0, 10, False, tps), _rec(1, 20, True, tps)],
+                         "knee": {"reached": True, "rate": 10, "text": "knee 10"}, "gateway_config": {}}],
+               "models": {"gateway_routing": {"max_over_mean": 1.1}}, "rc": 0}
+        return X.summary(pt, res)
+
+    figures = {"batching=fifo": (100, 140, 120), "batching=expert-aware": (300, 310, 320),
+               "max_inflight_rounds=1": (50, 60, 55), "max_inflight_rounds=2": (110, 150, 130)}
+    points = [X.combine(pt, [trial(pt, v) for v in figures[pt["label"]]]) for pt in args.points]
+    fifo, aware, one, two = points
+    assert fifo["at_knee"]["tokens_per_s"] == 120 and fifo["tokens_per_s_range"] == [100, 140]
+    assert X._verdict(aware, fifo) == "higher, beyond the spread"
+    assert X._verdict(two, fifo) == "within the spread"  # (110-150 overlaps 100-140)
+    assert X._verdict(one, two) == "lower, beyond the spread"
+    md = X.markdown(args, {"version": "0", "commit": None, "command": "c"}, points)
+    # batching=fifo and max_inflight_rounds=2 are one configuration (fifo, 2 rounds in flight by default)
+    floor = next(ln for ln in md.splitlines() if ln.startswith("**noise floor**"))
+    assert "measured 6 times" in floor and "batching=fifo, max_inflight_rounds=2" in floor
+    assert "10 / 10 / 10" in md  # every repeat's knee
 
 
 def run_load(tmp_path, *args, timeout=400):
@@ -107,10 +131,11 @@ def test_expert_sweep_for_real(tmp_path):
     for p in pts:  # each point its own gateway, with that many experts
         assert p["gateway_config"]["n_experts"] == p["value"] and p["gateway_config"]["top_k"] == 1
         assert p["at_knee"]["tokens_per_s"] > 0 and len(p["records"]) >= 1
-        gr = p["gateway_routing"]
+        (t,) = p["trials"]
+        gr = t["gateway_routing"]
         assert len(gr["rows"]) == p["value"]
         # top-1, no capacity: the gateway dispatched exactly one row per token of the layer
-        assert sum(gr["rows"]) == sum(r["tokens"] for r in p["records"])
+        assert sum(gr["rows"]) == sum(r["tokens"] for r in t["records"])
     table = [ln for ln in stdout.splitlines() if ln.startswith("| 4 |") or ln.startswith("| 8 |")]
     assert len(table) == 2, stdout
 
@@ -129,6 +154,7 @@ def test_batching_comparison_passes_the_routing_flags_through(tmp_path):
         assert r["noisy"] is True and r["noise_std"] == pytest.approx(0.3) and r["overflow"] == "spill"
         assert r["capacity_factor"] == 2 and r["bias"][0] == pytest.approx(0.4) and r["bias"][1:] == [0.0] * 7
         assert p["at_knee"]["tokens_per_s"] > 0
-        gr = p["gateway_routing"]  # the gateway's own counters: top-2 rows, less what it dropped
-        assert sum(gr["rows"]) + gr["dropped"] == 2 * sum(rec["tokens"] for rec in p["records"])
+        (t,) = p["trials"]
+        gr = t["gateway_routing"]  # the gateway's own counters: top-2 rows, less what it dropped
+        assert sum(gr["rows"]) + gr["dropped"] == 2 * sum(rec["tokens"] for rec in t["records"])
     assert "**batching** (against fifo)" in stdout and "| expert-aware |" in stdout
