@@ -287,9 +287,9 @@ def noise_floor(args, points: list[dict]) -> list[str]:
             groups.setdefault(config_of(args, p), []).append(p)
     out = []
     for cfg, ps in groups.items():
-        figs = [t["at_knee"]["tokens_per_s"] for p in ps for t in p.get("trials", []) if t.get("at_knee")]
-        if len(figs) < 2:
+        if len(ps) < 2:  # one point's repeats: its own range column already shows their spread
             continue
+        figs = [t["at_knee"]["tokens_per_s"] for p in ps for t in p.get("trials", []) if t.get("at_knee")]
         desc = ", ".join(f"{AXIS_TITLE[k]} {v}" for k, v in cfg)
         out += ["", f"**noise floor**: one configuration ({desc}) measured {len(figs)} times here "
                     f"({', '.join(p['label'] for p in ps)}): tokens/s at the knee "
