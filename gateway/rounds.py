@@ -390,9 +390,7 @@ class RoundBook:
             return
         cs = float(h.get("compute_s", 0.0))
         w.compute_seconds += cs
-        if rows:  # the worker's measured speed, for least-loaded balancing (a moving average)
-            w.seconds_per_row = cs / rows if w.seconds_per_row is None else \
-                0.8 * w.seconds_per_row + 0.2 * (cs / rows)
+        w.record_compute(cs, rows)
         w.cpu_s = float(h.get("cpu_s", w.cpu_s))
         st = rnd.stats
         st.compute_s = max(st.compute_s, cs)

@@ -85,7 +85,9 @@ class WorkerLink:
     compute_seconds: float = 0.0
     expert_rows: dict = field(default_factory=dict)  # expert_id -> rows sent
     cpu_s: float = 0.0  # the worker process's CPU seconds, as its last reply said
-    seconds_per_row: Optional[float] = None  # its compute per row, a moving average of its replies
+    seconds_per_row: Optional[float] = None  # its compute per row (cost_seconds / cost_rows)
+    cost_seconds: float = 0.0  # decayed sums of the compute its replies reported ...
+    cost_rows: float = 0.0  # ... and of their rows
     pid: Optional[int] = None
     last_heard: float = 0.0
     ping_sent: Optional[float] = None
@@ -96,6 +98,16 @@ class WorkerLink:
     @property
     def usable(self) -> bool:
         return self.state == Health.HEALTHY
+
+    def record_compute(self, seconds: float, rows: int) -> None:
+        """A reply's compute time for ``rows`` rows: the worker's speed for least-loaded
+        balancing, as a ratio of decayed sums, so blocks weigh by their rows (a mean of
+        per-reply ratios would let one-row replies, nearly all fixed cost, make it look slow)."""
+        if rows <= 0:
+            return
+        self.cost_seconds = 0.9 * self.cost_seconds + seconds
+        self.cost_rows = 0.9 * self.cost_rows + rows
+        self.seconds_per_row = self.cost_seconds / self.cost_rows
 
     @property
     def connected(self) -> bool:
@@ -124,6 +136,7 @@ class WorkerLink:
                 "outstanding_rows": self.outstanding_rows, "rows_sent": self.rows_sent,
                 "batches_sent": self.batches_sent, "failures": self.failures, "reconnects": self.reconnects,
                 "compute_seconds": self.compute_seconds, "cpu_s": self.cpu_s, "pid": self.pid,
+                "seconds_per_row": self.seconds_per_row,
                 "versions": [[e, v, sorted(self.held.get(e, {v}))] for e, v in sorted(self.versions.items())],
                 "expert_rows": [[e, n] for e, n in sorted(self.expert_rows.items())],
                 "transport": self.conn.stats.as_dict() if self.conn is not None else {}}

@@ -96,6 +96,19 @@ def test_least_loaded_weighs_rows_by_the_workers_measured_speed():
     assert replicas == {0: [1]}
 
 
+def test_a_workers_speed_is_weighed_by_rows_not_by_replies():
+    from gateway.workers import WorkerLink
+
+    w = WorkerLink(0, "tcp://127.0.0.1:1")
+    w.record_compute(1000 * 1e-6, 1000)  # a big block at 1 us per row
+    for _ in range(5):
+        w.record_compute(50e-6, 1)  # one-row replies: mostly fixed cost
+    # a mean of ratios would say ~40 us per row; rows weigh: still a few us
+    assert w.seconds_per_row < 1e-5
+    w.record_compute(0.0, 0)  # an empty reply changes nothing
+    assert w.cost_rows > 0 and w.as_dict()["seconds_per_row"] == w.seconds_per_row
+
+
 @pytest.mark.timeout(120)
 def test_a_gateway_with_both_policies_answers_as_the_reference():
     from gateway.client import GatewayClient
@@ -133,3 +146,4 @@ def test_a_gateway_with_both_policies_answers_as_the_reference():
         assert (cfg["batching"], cfg["balancing"], cfg["replicas"]) == ("expert-aware", "least-loaded", 2)
         assert pong["gateway"]["replies"] == len(xs) and pong["gateway"]["failed_requests"] == 0
         assert all(w["rows_sent"] > 0 for w in pong["workers"])  # both replicas took work
+        assert all(w["seconds_per_row"] > 0 for w in pong["workers"])  # their speed, measured
