@@ -317,15 +317,18 @@ def plot(points: list[dict], path: str, slo_tpot_ms: float) -> None:
         labels = [str(p["value"]) for p in group]
         x = np.arange(len(group))
         tps = [p["at_knee"]["tokens_per_s"] for p in group]
+        rng = [p.get("tokens_per_s_range", [v, v]) for p, v in zip(group, tps)]
+        yerr = [[v - r[0] for v, r in zip(tps, rng)], [r[1] - v for v, r in zip(tps, rng)]]
         top = axes[0][j]
-        bars = top.bar(x, tps, color=["tab:gray" if p["mark"] else "tab:blue" for p in group])
+        bars = top.bar(x, tps, yerr=yerr, capsize=4, color=["tab:gray" if p["mark"] else "tab:blue" for p in group])
         for b, p in zip(bars, group):
             if p["mark"]:
                 top.annotate(p["mark"], (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom")
         top.set_xticks(x, labels)
         top.set_xlabel(AXIS_TITLE[axis])
         top.set_ylabel("tokens/s at the knee")
-        top.set_title(f"{AXIS_TITLE[axis]}: throughput at the knee (grey: knee not reached)", fontsize=9)
+        top.set_title(f"{AXIS_TITLE[axis]}: tokens/s at the knee\n(median, min-max of repeats; grey: no knee)",
+                      fontsize=8)
         bot = axes[1][j]
         bot.plot(x, [p["at_knee"]["tpot_mean_ms"] for p in group], "o-", label="mean")
         bot.plot(x, [p["at_knee"]["tpot_p99_ms"] for p in group], "s--", label="p99")
