@@ -17,10 +17,15 @@ SUBCOMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="moe-bench")
+    from transport.service.options import version
+
+    parser = argparse.ArgumentParser(prog="moe-bench", description="moe-transport's benchmarks: each subcommand "
+                                                                   "prints a report and can write JSON with provenance")
+    parser.add_argument("--version", action="version", version=f"moe-bench {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, helptext) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=helptext)
+        p = sub.add_parser(name, help=helptext, description=helptext)
+        p.add_argument("--version", action="version", version=f"moe-bench {name} {version()}")
         mod = importlib.import_module(module)
         mod.add_arguments(p)
         p.set_defaults(_module=mod)

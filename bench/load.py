@@ -66,6 +66,14 @@ DEMO = dict(d_model=256, d_ff=512, prefill=64, decode=8)
 FULL = dict(d_model=1024, d_ff=2048, prefill=256, decode=32)
 LAYER_DEFAULTS = dict(n_experts=8, top_k=2, dtype="float32")
 STARTED_DEFAULTS = dict(local_workers=2, max_wait_ms=1.0, max_inflight_rounds=2)
+# the started gateway's routing and policies (moe-gateway's defaults)
+GATEWAY_DEFAULTS = dict(replicas=1, overflow="drop", noisy=False, noise_std=1.0, batching="fifo",
+                        balancing="load-aware")
+# --sweep KEY: the layer's shape; --compare KEY: a gateway policy (aliases -> the flag's dest)
+SWEEP_KEYS = {"n_experts": int, "top_k": int, "d_model": int}
+COMPARE_KEYS = {"batching": str, "balancing": str, "max_inflight_rounds": int}
+KEY_ALIASES = {"experts": "n_experts", "k": "top_k", "inflight": "max_inflight_rounds",
+               "pipelining": "max_inflight_rounds", "rounds_in_flight": "max_inflight_rounds"}
 PCTS = (("p50", 50.0), ("p95", 95.0), ("p99", 99.0), ("p999", 99.9))
 MIXED_BURSTINESS = 0.25  # mixed mode's default gamma shape: gaps with a CV of 2
 # peers go after ours, the reference last: its two BLAS threads spin after their work
@@ -84,9 +92,9 @@ def _positive(s: str) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", default="fixed-rate", choices=["fixed-rate", "ramp", "mixed"],
+    p.add_argument("--mode", default=None, choices=["fixed-rate", "ramp", "mixed"],
                    help="fixed-rate: one rate; ramp: steps up to saturation; mixed: bursty arrivals and mixed "
-                        "lengths (default fixed-rate)")
+                        "lengths (default fixed-rate; ramp with --sweep/--compare)")
     p.add_argument("--rate", type=_positive, default=5.0, help="target requests/s (ramp: the last step's); default 5")
     p.add_argument("--arrival", default=None, choices=["constant", "poisson", "gamma"],
                    help="gap distribution (default constant; gamma in mixed mode or with --burstiness/--arrival-cv)")
@@ -137,6 +145,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     tgt.add_argument("--max-batch-tokens", type=int, default=None,
                      help="the started gateway's tokens per round (default: every client's prefill at once, >= 256)")
     tgt.add_argument("--full", action="store_true", help="d_model 1024, d_ff 2048, prefill 256, decode 32")
+    gw = p.add_argument_group("the started gateway's routing and policies (moe-gateway's flags of the same names)")
+    gw.add_argument("--replicas", type=int, default=None, help="copies of each expert over the local workers (default 1)")
+    gw.add_argument("--overflow", default=None, choices=["drop", "spill"],
+                    help="over capacity: drop the assignment or spill it to the next-best expert (default drop)")
+    gw.add_argument("--gate-bias", default=None, metavar="FLOATS", help="comma-separated per-expert gate bias")
+    gw.add_argument("--noisy", action="store_true", default=None, help="noisy top-k gating")
+    gw.add_argument("--noise-std", type=float, default=None, help="noisy top-k: noise scale (default 1)")
+    gw.add_argument("--batching", default=None, choices=["fifo", "expert-aware"],
+                    help="which queued requests a round takes (default fifo)")
+    gw.add_argument("--balancing", default=None, choices=["load-aware", "least-loaded"],
+                    help="replica choice for replicated experts (default load-aware)")
+    ex = p.add_argument_group("experiments: several started gateways, each a ramp to its knee, one report")
+    ex.add_argument("--sweep", default=None, metavar="KEY=V1,V2,...",
+                    help="one ramp per value of n_experts, top_k or d_model, e.g. n_experts=8,16,32: a table of "
+                         "tokens/s at each knee with mean and p99 latency, and (--plot) a figure")
+    ex.add_argument("--compare", action="append", default=None, metavar="KEY=V1,V2,...",
+                    help="one ramp per variant, each against the first: batching=fifo,expert-aware, "
+                         "balancing=load-aware,least-loaded, max_inflight_rounds=1,2 (pipelining); repeatable, "
+                         "each axis varied alone")
+    ex.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="measure every point N times, interleaved, and report medians and the spread (default 1)")
     req = p.add_argument_group("requests")
     req.add_argument("--prefill", type=int, default=None, help=f"prompt tokens (default {DEMO['prefill']})")
     req.add_argument("--decode", type=int, default=None, help=f"decode steps (default {DEMO['decode']})")
@@ -470,8 +499,24 @@ def _resolve(args) -> None:
     contradict each other."""
     base = FULL if args.full else DEMO
     args.explicit = {k for k in ("d_model", "d_ff", "n_experts", "top_k", "dtype", "capacity_factor",
-                                 "local_workers", "max_wait_ms", "max_inflight_rounds", "max_batch_tokens", "backend")
-                     if getattr(args, k) is not None}
+                                 "local_workers", "max_wait_ms", "max_inflight_rounds", "max_batch_tokens", "backend",
+                                 *GATEWAY_DEFAULTS, "gate_bias")
+                     if getattr(args, k, None) is not None}
+    args.points = _points(args)
+    if args.mode is None:
+        args.mode = "ramp" if args.points else "fixed-rate"
+    if args.points:
+        if args.mode != "ramp":
+            raise ConfigError(f"--sweep/--compare ramp every point to its knee; they contradict --mode {args.mode}")
+        if args.gateway:
+            raise ConfigError("--sweep/--compare start a gateway per point; they cannot change a running --gateway")
+        if args.systems.strip() != "moe-transport":
+            raise ConfigError("--sweep/--compare measure moe-transport's gateways (one per point); drop --systems")
+        if len(args.backend or ["shm"]) != 1:
+            raise ConfigError("--sweep/--compare run on one --backend")
+    for k, v in GATEWAY_DEFAULTS.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
     for k in ("prefill", "decode"):
         if getattr(args, k) is None:
             setattr(args, k, base[k])
@@ -517,6 +562,41 @@ def _resolve(args) -> None:
                        + [(n, None) for n in names if n != "moe-transport"], key=lambda nb: ORDER[nb[0]])
 
 
+def _points(args) -> list[dict]:
+    """--sweep/--compare as a list of points: {"axis", "value", "label"}; a --compare axis's
+    first value is its baseline."""
+    out: list[dict] = []
+    specs = ([("sweep", args.sweep)] if getattr(args, "sweep", None) else []) + \
+        [("compare", c) for c in (getattr(args, "compare", None) or [])]
+    if args.sweep and getattr(args, "compare", None):
+        raise ConfigError("--sweep and --compare are separate experiments: give one of them")
+    for kind, spec in specs:
+        key, eq, values = spec.partition("=")
+        key = key.strip().replace("-", "_")
+        key = KEY_ALIASES.get(key, key)
+        table = SWEEP_KEYS if kind == "sweep" else COMPARE_KEYS
+        if not eq or key not in table:
+            raise ConfigError(f"--{kind} {spec!r}: expected KEY=V1,V2,... with KEY one of {', '.join(table)}")
+        try:
+            vals = [table[key](v.strip()) for v in values.split(",") if v.strip()]
+        except ValueError:
+            raise ConfigError(f"--{kind} {spec!r}: {key} takes {table[key].__name__} values") from None
+        if len(vals) < 2 or len(set(vals)) != len(vals):
+            raise ConfigError(f"--{kind} {spec!r}: give two or more different values")
+        if key in ("batching", "balancing"):
+            allowed = {"batching": ("fifo", "expert-aware"), "balancing": ("load-aware", "least-loaded")}[key]
+            bad = [v for v in vals if v not in allowed]
+            if bad:
+                raise ConfigError(f"--compare {key}: unknown {bad}; choose from {', '.join(allowed)}")
+        if any(isinstance(v, int) and v < 1 for v in vals):
+            raise ConfigError(f"--{kind} {spec!r}: values must be >= 1")
+        if kind == "compare" and any(p["axis"] == key for p in out):
+            raise ConfigError(f"--compare {key} given twice")
+        out += [{"kind": kind, "axis": key, "value": v, "label": f"{key}={v}", "baseline": i == 0}
+                for i, v in enumerate(vals)]
+    return out
+
+
 def describe_gateway(url: str, timeout: float) -> dict:
     """What a running gateway serves, from its pong: ``config`` (d_model, dtype, experts,
     top-k, router, batching) and its workers (each with the d_ff its hello said)."""
@@ -547,10 +627,16 @@ def adopt_gateway(args, cfg: dict) -> None:
             "n_experts": cfg.get("n_experts", router.get("n_experts")), "top_k": cfg.get("top_k", router.get("top_k")),
             "capacity_factor": router.get("capacity_factor"), "d_ff": cfg.get("d_ff"),
             "max_wait_ms": cfg.get("max_wait_ms"), "max_inflight_rounds": cfg.get("max_inflight_rounds"),
-            "max_batch_tokens": cfg.get("max_batch_tokens"), "local_workers": len(cfg.get("workers", [])) or None}
+            "max_batch_tokens": cfg.get("max_batch_tokens"), "local_workers": len(cfg.get("workers", [])) or None,
+            "noisy": router.get("noisy"), "noise_std": router.get("noise_std") if router.get("noisy") else None,
+            "overflow": router.get("overflow"), "batching": cfg.get("batching"), "balancing": cfg.get("balancing"),
+            "replicas": cfg.get("replicas"),
+            "gate_bias": None if router.get("bias") is None else ",".join(f"{b:g}" for b in router["bias"])}
+    if "gate_bias" in args.explicit and args.gate_bias is not None:  # compare numbers, not spellings
+        args.gate_bias = ",".join(f"{float(b):g}" for b in args.gate_bias.split(",") if b.strip())
     clash = []
     for k in sorted(args.explicit):
-        if k == "backend" or (have.get(k) is None and k != "capacity_factor"):
+        if k == "backend" or (have.get(k) is None and k not in ("capacity_factor", "gate_bias")):
             continue  # (d_ff unknown: cannot be checked; recorded as the user's, unverified)
         mine, theirs = getattr(args, k), have.get(k)
         if mine is None or theirs is None or isinstance(mine, str) or isinstance(theirs, str):
@@ -564,6 +650,9 @@ def adopt_gateway(args, cfg: dict) -> None:
                           f"{'; '.join(clash)}. Drop those flags to use the gateway's, or point at a matching gateway.")
     for k in ("d_model", "dtype", "n_experts", "top_k", "capacity_factor"):
         setattr(args, k, have[k])
+    for k in ("noisy", "noise_std", "overflow", "batching", "balancing", "replicas", "gate_bias"):
+        if have[k] is not None or k == "gate_bias":
+            setattr(args, k, have[k])
     if have["d_ff"] is not None:
         args.d_ff = have["d_ff"]
     args.d_ff_source = cfg["d_ff_source"] if have["d_ff"] is not None else (
@@ -577,6 +666,34 @@ def _lengths(args, rng: np.random.Generator) -> tuple[int, int]:
             int(rng.integers(1, args.decode + 1)) if args.decode > 0 else 0)
 
 
+def started_router(args):
+    """The router a gateway started with these flags builds (moe-gateway's make_router):
+    the load generator steers tokens with it and the peers route with it."""
+    from gateway.cli import make_router
+    try:
+        return _make_router(make_router, args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _make_router(make_router, args):
+    return make_router(argparse.Namespace(d_model=args.d_model, n_experts=args.n_experts, top_k=args.top_k,
+                                          noisy=bool(args.noisy), noise_std=args.noise_std,
+                                          capacity_factor=args.capacity_factor, overflow=args.overflow,
+                                          seed=args.seed, gate_bias=args.gate_bias))
+
+
+def gateway_flags(args) -> list[str]:
+    """The started gateway's routing and policy flags (the rest is MoeTransport.start's)."""
+    out = ["--replicas", str(args.replicas), "--overflow", args.overflow, "--batching", args.batching,
+           "--balancing", args.balancing]
+    if args.noisy:
+        out += ["--noisy", "--noise-std", repr(float(args.noise_std))]
+    if args.gate_bias:
+        out.append(f"--gate-bias={args.gate_bias}")  # "=": values may start with "-"
+    return out
+
+
 def make_system(name: str, backend: Optional[str], args, router):
     from bench import systems as SY
     seed = args.seed
@@ -587,7 +704,8 @@ def make_system(name: str, backend: Optional[str], args, router):
                                      top_k=router.top_k, d_model=router.d_model, d_ff=args.d_ff, seed=seed,
                                      max_batch_tokens=args.max_batch_tokens or max(256, args.concurrency * args.prefill),
                                      max_wait_ms=args.max_wait_ms, capacity_factor=args.capacity_factor,
-                                     max_inflight_rounds=args.max_inflight_rounds, dtype=args.dtype)
+                                     max_inflight_rounds=args.max_inflight_rounds, dtype=args.dtype,
+                                     extra=gateway_flags(args))
     if args.dtype != "float32":
         raise RuntimeError(f"the {name} peer computes in float32 only (this run's dtype is {args.dtype})")
     if args.d_ff is None:
@@ -653,6 +771,8 @@ def _delta(before: dict, after: dict, wall: float) -> dict:
         out["stage_ms"] = {k: 1e3 * (after["stage_s"][k] - before["stage_s"].get(k, 0.0)) / rounds
                            for k in after["stage_s"]} if rounds else {}
         out["failed_requests"] = after["failed_requests"] - before["failed_requests"]
+        if "requests" in after and "requests" in before:  # forward passes the gateway took
+            out["passes_per_round"] = (after["requests"] - before["requests"]) / rounds if rounds else None
         out["gateway_dropped"] = after.get("dropped", 0) - before.get("dropped", 0)
         out["gateway_overflow"] = after.get("overflow", 0) - before.get("overflow", 0)
         out["transport_bytes"] = after["transport_bytes"] - before["transport_bytes"]
@@ -730,6 +850,8 @@ def run_system(name: str, backend: Optional[str], args, router, bank, scenario) 
                                           for t, idx in d.passes], bank)
                 load = M.expert_load(trace, router.n_experts)
                 rec["expert_load"] = load["share"]
+                if "gateway_expert_rows" in rec:
+                    rec["gateway_expert_share"] = M.gateway_routing([rec], router.n_experts)["share"]
                 rec["dropped"], rec["overflow"] = load["dropped"], load["overflow"]
                 out["records"].append(rec)
                 out["done"].append(done)
@@ -842,6 +964,8 @@ def _meta(args, router, scenario, gw_cfg: Optional[dict], runs: list[dict]) -> d
             "scenario": scenario.describe(), "gateway": args.gateway,
             "gateway_config": gw_cfg if gw_cfg is not None else started,
             "local_workers": None if args.gateway else args.local_workers,
+            "gateway_policies": {k: getattr(args, k, None) for k in (*GATEWAY_DEFAULTS, "gate_bias",
+                                                                     "max_inflight_rounds", "max_wait_ms")},
             "systems": [f"{n}/{b}" if b else n for n, b in args.plan]}
 
 
@@ -855,12 +979,45 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from bench import load_report as R
-    from bench import models as M
     from bench.provenance import provenance, write_json_atomic
-    from bench.scenarios import Scenario, TokenBank
-    from gateway.router import Router
     prov = provenance()
     _resolve(args)
+    if args.points:
+        from bench.experiments import run_points
+        return run_points(args, prov)
+    res = measure(args)
+    runs, measured, models, meta = res["runs"], res["measured"], res["models"], res["meta"]
+    md = R.markdown(runs, res["ratios"], res["targets"], models, res["scenario"], args, prov, meta)
+    print(md, flush=True)
+    if args.markdown:
+        os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
+        with open(args.markdown, "w") as f:
+            f.write(md + "\n")
+    if args.json:
+        moe = [r for r in measured if r["system"] == "moe-transport"]
+        doc = {"provenance": prov, "meta": meta, "results": [rec for r in measured for rec in r["records"]],
+               "knees": {f"{r['system']}/{r['backend']}": r["knee"] for r in measured},
+               "ratios": res["ratios"], "targets": res["targets"], "models": models,
+               "failed_systems": {r["system"]: r["error"] for r in runs if r.get("error")},
+               "interrupted": any(r.get("interrupted") for r in runs), "shm_left_behind": res["leaked"]}
+        if args.mode == "ramp" and moe:
+            doc["knee"] = moe[0]["knee"]
+            doc["knee_rate"] = (moe[0]["knee"] or {}).get("rate")  # null unless a knee was reached
+        write_json_atomic(args.json, _nan_to_none(doc))
+        note(f"wrote {args.json}")
+    if args.plot:
+        write_plot(lambda: R.plot(measured, models, args.plot, args.mode, args.slo_tpot_ms), args.plot,
+                   bool(measured))
+    return res["rc"]
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Run every system of ``args.plan`` (resolved) under the load; their runs, the routing
+    models, ratios and the run's meta, and the exit code so far."""
+    from bench import load_report as R
+    from bench import models as M
+    from bench.scenarios import Scenario, TokenBank
+    from gateway.router import Router
     shm_before = _shm_entries()
     gw_cfg = None
     if args.gateway:  # the layer is what the running gateway serves: ask it first
@@ -876,8 +1033,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         args.d_ff_source = "--d-ff, given to the gateway started here" if "d_ff" in args.explicit else \
             "the default given to the gateway started here"
-        router = Router(args.d_model, args.n_experts, args.top_k, seed=args.seed,
-                        capacity_factor=args.capacity_factor)  # as the started gateway builds it
+        router = started_router(args)
     scenario = Scenario(args.scenario, router.n_experts, zipf_s=args.zipf_s, hot_expert=args.hot_expert,
                         hot_share=args.hot_share, drift_period=args.drift_period)
     bank = TokenBank(router, per_expert=args.bank, seed=args.seed + 1, dtype=np.dtype(args.dtype))
@@ -921,8 +1077,11 @@ def _run(args: argparse.Namespace) -> int:
     models = {"comm_volume": M.comm_volume(trace, router.d_model * np.dtype(args.dtype).itemsize, placement, wall),
               "lru_hit_rate": M.lru_hit_rates(trace, router.n_experts),
               "expert_load": M.expert_load(trace, router.n_experts),
-              "from_system": None if first is None else f"{first['system']}/{first['backend']}"}
+              "from_system": None if first is None else f"{first['system']}/{first['backend']}",
+              "noisy_replay": bool(router.noisy)}
     moe = [r for r in measured if r["system"] == "moe-transport"]
+    if moe:  # what the gateway itself routed (with its noise, capacity and bias): its counters
+        models["gateway_routing"] = M.gateway_routing(moe[0]["records"], router.n_experts)
     if moe and moe[0] is first and "transport_bytes" in moe[0]["records"][0]:
         got = sum(rec.get("transport_bytes", 0) for rec in moe[0]["records"])
         model = models["comm_volume"]["total_bytes"]
@@ -931,33 +1090,22 @@ def _run(args: argparse.Namespace) -> int:
     ratios = _ratios(measured, args.mode)
     targets = _targets(ratios, args.mode)
     meta = _meta(args, router, scenario, gw_cfg, runs)
-    md = R.markdown(runs, ratios, targets, models, scenario, args, prov, meta)
-    print(md, flush=True)
-    if args.markdown:
-        os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
-        with open(args.markdown, "w") as f:
-            f.write(md + "\n")
-    if args.json:
-        doc = {"provenance": prov, "meta": meta, "results": [rec for r in measured for rec in r["records"]],
-               "knees": {f"{r['system']}/{r['backend']}": r["knee"] for r in measured},
-               "ratios": ratios, "targets": targets, "models": models,
-               "failed_systems": {r["system"]: r["error"] for r in runs if r.get("error")},
-               "interrupted": any(r.get("interrupted") for r in runs), "shm_left_behind": leaked}
-        if args.mode == "ramp" and moe:
-            doc["knee"] = moe[0]["knee"]
-            doc["knee_rate"] = (moe[0]["knee"] or {}).get("rate")  # null unless a knee was reached
-        write_json_atomic(args.json, _nan_to_none(doc))
-        note(f"wrote {args.json}")
-    if args.plot:
-        if measured:
-            try:
-                R.plot(measured, models, args.plot, args.mode, args.slo_tpot_ms)
-                note(f"wrote {args.plot}")
-            except ImportError as e:
-                note(f"no plot: {e}")
-        else:
-            note("no plot: nothing measured")
-    return rc
+    return {"runs": runs, "measured": measured, "models": models, "ratios": ratios, "targets": targets,
+            "meta": meta, "scenario": scenario, "router": router, "leaked": leaked, "rc": rc}
+
+
+def write_plot(draw, path: str, anything: bool = True) -> bool:
+    """Run ``draw`` (which writes ``path``); without matplotlib, say which extra brings it."""
+    if not anything:
+        note("no plot: nothing measured")
+        return False
+    try:
+        draw()
+    except ImportError as e:
+        note(f"no plot: {e} (pip install 'moe-transport[bench]')")
+        return False
+    note(f"wrote {path}")
+    return True
 
 
 def _nan_to_none(x):

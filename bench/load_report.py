@@ -71,6 +71,12 @@ def _header(args, prov: dict, meta: dict) -> list[str]:
                  f"{gw.get('max_batch_tokens') or args.max_batch_tokens or max(256, args.concurrency * args.prefill)} tokens, max wait {args.max_wait_ms:g} ms, "
                  f"{args.max_inflight_rounds} rounds in flight)")
     cap = f", capacity factor {lay['capacity_factor']:g}" if lay.get("capacity_factor") else ""
+    pol = meta.get("gateway_policies") or {}
+    if pol.get("batching"):
+        where += (f"; batching {pol['batching']}, balancing {pol['balancing']}, {pol['replicas']} "
+                  f"cop{'y' if pol['replicas'] == 1 else 'ies'} of each expert, overflow {pol['overflow']}"
+                  + (f", noisy top-k (noise std {pol['noise_std']:g})" if pol.get("noisy") else "")
+                  + (f", gate bias {pol['gate_bias']}" if pol.get("gate_bias") else ""))
     return [f"moe-transport {prov.get('version')} · {commit} · {prov.get('date_utc')}",
             "",
             f"- command: `{prov.get('command')}`",
@@ -225,7 +231,19 @@ def markdown(runs: list[dict], ratios: list[dict], targets: list[dict], models: 
     if models.get("from_system") is None:
         lines += ["", "**routing**: no request completed; no routing trace to model"]
         return "\n".join(lines)
-    lines += ["", f"**routing** ({models['from_system']}'s completed requests, routed again): expert share of rows "
+    gr = models.get("gateway_routing")
+    if gr and gr.get("max_over_mean") is not None:
+        lines += ["", f"**routing as the gateway did it** (its own counters: rows dispatched per expert"
+                      f"{', its noise included' if models.get('noisy_replay') else ''}): expert share of rows "
+                      f"{', '.join(f'{100 * s:.0f}%' for s in gr['share'])}; busiest expert "
+                      f"{gr['max_over_mean']:.2f}x the mean; dropped {gr['dropped']}, over capacity "
+                      f"{gr['overflow']} assignments"]
+    elif gr:
+        lines += ["", "**routing as the gateway did it**: no rows sent"]
+    replayed = "routed again with a fresh noise stream (the same distribution, not the gateway's draws)" \
+        if models.get("noisy_replay") else "routed again"
+    lines += ["", f"**routing model** ({models['from_system']}'s completed requests, {replayed}; feeds the models "
+                  f"below): expert share of rows "
                   f"{', '.join(f'{100 * s:.0f}%' for s in load['share'])}; "
                   f"dropped {load['dropped']}, overflowed {load['overflow']} assignments",
               f"**all-to-all volume (model)**: {cv['total_bytes'] / 1e6:.1f} MB "

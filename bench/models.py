@@ -29,19 +29,43 @@ class Step:
 
 
 def replay(router, passes: Sequence[tuple[float, np.ndarray]], bank) -> list[Step]:
-    """Route every recorded pass again (its tokens are ``bank.rows(idx)``): the trace.
-    Clean routing (a noisy router's noise is not replayed)."""
+    """Route every recorded pass again (its tokens are ``bank.rows(idx)``): the trace for
+    the time-resolved models (LRU cache, volume over time). A noisy router is replayed
+    noisy, from a fresh copy's own seeded noise stream: the same noise distribution, not the
+    gateway's draws (those depend on how its rounds interleaved the requests, which no
+    replay reproduces); what the gateway really routed comes from its own counters
+    (``gateway_expert_rows`` of each record)."""
+    if router.noisy:
+        from gateway.router import Router
+        router = Router.from_description(router.describe())
     out = []
     for t, idx in passes:
-        r = router.route(bank.rows(idx)) if not router.noisy else _clean(router, bank.rows(idx))
+        r = router.route(bank.rows(idx))
         out.append(Step(t, np.asarray(r.expert_counts, np.int64), r.num_tokens, r.dropped, r.overflow))
     return out
 
 
-def _clean(router, x):
-    from gateway.router import Router
-    d = router.describe() | {"noisy": False}
-    return Router.from_description(d).route(x)
+def gateway_routing(records: Sequence[dict], n_experts: int) -> Optional[dict]:
+    """The routing a moe-transport gateway really did over ``records`` (ramp steps), from
+    its own counters: rows sent per expert (after capacity), assignments dropped and over
+    capacity. None when the records carry no gateway counters."""
+    rows = np.zeros(n_experts, np.int64)
+    seen = False
+    dropped = overflow = 0
+    for rec in records:
+        if "gateway_expert_rows" not in rec:
+            continue
+        seen = True
+        r = np.asarray(rec["gateway_expert_rows"], np.int64)[:n_experts]
+        rows[:len(r)] += r
+        dropped += int(rec.get("gateway_dropped", 0))
+        overflow += int(rec.get("gateway_overflow", 0))
+    if not seen:
+        return None
+    total = int(rows.sum())
+    share = (rows / total).tolist() if total else [0.0] * n_experts
+    return {"rows": rows.tolist(), "share": share, "dropped": dropped, "overflow": overflow,
+            "max_over_mean": float(rows.max() / rows.mean()) if total else None}
 
 
 def comm_volume(trace: Sequence[Step], row_bytes: int, placement: Optional[Sequence[Sequence[int]]] = None,

@@ -30,16 +30,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", action="append", choices=["shm", "tcp", "rdma"], help="repeatable; default shm and tcp")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     p.add_argument("--batches", type=int, default=6, help="batches per system per round")
-    p.add_argument("--n-experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--n-experts", type=int, default=8, help="routed experts in the layer (default 8)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
     p.add_argument("--local-workers", type=int, default=2,
                    help="worker processes it starts for ours and for the multiprocessing peer (default 2)")
-    p.add_argument("--d-model", type=int)
-    p.add_argument("--d-ff", type=int)
-    p.add_argument("--batch", type=int, help="tokens per batch")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--d-model", type=int, help="model width (default 1024; --quick 256)")
+    p.add_argument("--d-ff", type=int, help="expert hidden width (default 2048; --quick 512)")
+    p.add_argument("--batch", type=int, help="tokens per batch (default 256; --quick 128)")
+    p.add_argument("--seed", type=int, default=0, help="router and expert weights (default 0)")
     p.add_argument("--quick", action="store_true", help="small dims for a smoke run")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
 
 # -- the reference, in a child of its own ------------------------------------------------

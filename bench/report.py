@@ -301,7 +301,7 @@ def plot_transport(results: list[dict], path: str) -> Optional[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("note: matplotlib is not installed; no plot", file=sys.stderr)
+        print("note: matplotlib is not installed; no plot (pip install 'moe-transport[bench]')", file=sys.stderr)
         return None
     ok = [r for r in results if r.get("carried") and "error" not in r]
     figs = [f for f in FIGURE_TITLE if any(r.get("figure") == f for r in ok)]

@@ -19,7 +19,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -85,8 +85,10 @@ class MoeTransport(System):
     @classmethod
     def start(cls, backend: str, *, workers: int, n_experts: int, top_k: int, d_model: int, d_ff: int,
               seed: int, max_batch_tokens: int, max_wait_ms: float, capacity_factor: Optional[float] = None,
-              max_inflight_rounds: int = 2, timeout: float = 60.0, dtype: str = "float32") -> "MoeTransport":
-        """A moe-gateway with ``workers`` local workers on ``backend`` (its own processes)."""
+              max_inflight_rounds: int = 2, timeout: float = 60.0, dtype: str = "float32",
+              extra: Sequence[str] = ()) -> "MoeTransport":
+        """A moe-gateway with ``workers`` local workers on ``backend`` (its own processes);
+        ``extra``: more moe-gateway flags (routing, replicas, policies), passed as they are."""
         import sys
 
         from transport.service.launch import blas_env, spawn_service
@@ -99,6 +101,7 @@ class MoeTransport(System):
                 "--max-inflight-rounds", str(max_inflight_rounds), "--dtype", dtype]
         if capacity_factor:
             argv += ["--capacity-factor", str(capacity_factor)]
+        argv += list(extra)
         proc, url = spawn_service(argv, timeout=timeout, env=blas_env(1))
         try:
             return cls(url, backend, proc)
@@ -125,7 +128,7 @@ class MoeTransport(System):
         for i, w in enumerate(p.get("workers", [])):
             cpu[f"worker{i}"] = w.get("cpu_s")
         g = p["gateway"]
-        return {"cpu_s": cpu, "stage_s": dict(g["stage_seconds"]), "rounds": g["rounds"],
+        return {"cpu_s": cpu, "stage_s": dict(g["stage_seconds"]), "rounds": g["rounds"], "requests": g["requests"],
                 "failed_requests": g["failed_requests"], "dropped": g.get("dropped", 0),
                 "overflow": g.get("overflow", 0), "errors": dict(g["errors"]),
                 "expert_rows": _expert_rows(p.get("workers", [])),

@@ -82,8 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=2000,
                    help="round trips per size up to 64 KiB, scaled down above (at least 20); default 2000, "
                         "--quick at most 300")
-    p.add_argument("--warmup", type=int, default=None,
-                   help="untimed round trips before each size (default: 10%% of its iterations, at least 5)")
+    p.add_argument("--warmup-iters", type=int, default=None, metavar="N",
+                   help="untimed round trips before each size (default: 10%% of its iterations, at least 5); "
+                        "a count, where moe-bench load's --warmup is seconds")
     p.add_argument("--figures", type=_figures, default=list(FIGURES),
                    help="descriptor (payload not touched), data (every payload byte written and read), "
                         "or both (default descriptor,data)")
@@ -206,7 +207,8 @@ def make_peers(backend: str, max_size: int, with_peers: bool, *, slot_size: Opti
         import zmq  # noqa: F401
         others.append(peers.ZmqPeer(max_size, transport=zmq_medium(backend), server_cpu=server_cpu))
     except ImportError:
-        print("note: pyzmq is not installed here; its rows are left out", file=sys.stderr)
+        print("note: pyzmq is not installed here; its rows are left out (pip install 'moe-transport[bench]')",
+              file=sys.stderr)
     others.append(peers.PipePeer(max_size, server_cpu=server_cpu))
     return ours + others
 
@@ -262,8 +264,8 @@ def settings_of(args, backends, sizes, iters, figures) -> dict:
     return {"backends": backends, "sizes": sizes, "figures": figures, "iterations": iters,
             "iterations_rule": f"{iters} round trips per size up to 64 KiB, iters * 64 KiB / size above "
                                f"(at least 20)",
-            "warmup": args.warmup, "warmup_rule": (f"{args.warmup} untimed round trips per size"
-                                                  if args.warmup is not None else
+            "warmup": args.warmup_iters, "warmup_rule": (f"{args.warmup_iters} untimed round trips per size"
+                                                  if args.warmup_iters is not None else
                                                   "10% of each size's iterations (at least 5), untimed"),
             "stream": {"bursts": BURSTS, "messages": (f"{args.stream_count}" if args.stream_count else
                                                       "64 MiB / size per burst, 50 .. 5000"),
@@ -341,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
                                 rec = not_carried(p, fig, size)
                             else:
                                 try:
-                                    rec = measure(p, size, iters, fig, args.warmup, args.stream_count)
+                                    rec = measure(p, size, iters, fig, args.warmup_iters, args.stream_count)
                                 except (Exception) as e:  # the peer is unusable now: report, stop it, go on
                                     why = f"{type(e).__name__}: {e}"
                                     print(f"{p.label} ({p.backend}) {report.human(size)} {fig}: failed: {why}",

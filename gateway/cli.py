@@ -2,7 +2,7 @@
 
     moe-gateway --listen tcp://127.0.0.1:7000 --workers tcp://10.0.0.2:5000,tcp://10.0.0.3:5000
     moe-gateway --listen shm://gw --local-workers 2 --backend shm      # spawns, supervises and owns them
-    moe-gateway update --gateway tcp://127.0.0.1:7000 start --experts 3 --version 1 --seed 7 --wait
+    moe-gateway update --gateway tcp://127.0.0.1:7000 start --experts 3 --new-version 1 --seed 7 --wait
     moe-gateway update --gateway tcp://127.0.0.1:7000 advance       # 1% -> 5% -> 25% -> 50% -> 100%
     moe-gateway update --gateway tcp://127.0.0.1:7000 finish        # (or rollback)
 
@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     bat.add_argument("--max-inflight-rounds", type=int, default=2, help="rounds out at the workers at once")
     bat.add_argument("--max-batch-requests", type=int, default=256, help="requests per round at most")
     bat.add_argument("--no-split", action="store_true", help="never split one expert's tokens over replicas")
+    bat.add_argument("--batching", default="fifo", choices=["fifo", "expert-aware"],
+                     help="which queued requests a round takes: the oldest first, or those sharing the round's "
+                          "experts (the oldest and any waiting --max-wait-ms always go; gateway/batcher.py)")
+    bat.add_argument("--balancing", default="load-aware", choices=["load-aware", "least-loaded"],
+                     help="replicated experts: the replica with the fewest outstanding rows (a big expert split "
+                          "over replicas), or each expert whole to the replica with the least outstanding work "
+                          "in measured seconds (gateway/replicas.py)")
     srv = p.add_argument_group("service")
     srv.add_argument("--max-connections", type=int, default=1024, help="client connections at once (more are refused)")
     srv.add_argument("--idle-timeout", type=float, default=300.0,
@@ -126,6 +133,9 @@ def local_workers(args, secret_path: Optional[str]):
     return LocalWorkers(commands, threads=args.worker_threads)
 
 
+PROBE_MAX_PEER_SLOT = 1 << 30  # the probe sends one small INFO; the bound only stops an absurd peer
+
+
 def probe_layer(url: str, secret: Optional[bytes], timeout: float) -> dict:
     """The first worker's info (d_model, dtype) when the user did not say."""
     import time
@@ -136,7 +146,10 @@ def probe_layer(url: str, secret: Optional[bytes], timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            conn = transport.connect(url, slot_size=1 << 16, nslots=2, timeout=min(5.0, timeout), secret=secret)
+            # the worker's slots are sized for its --max-tokens rows of ITS d_model, which is what
+            # we are asking: accept any size here (the default limit, 4 MiB, refused d_model 1024)
+            conn = transport.connect(url, slot_size=1 << 16, nslots=2, timeout=min(5.0, timeout), secret=secret,
+                                     max_peer_slot_size=PROBE_MAX_PEER_SLOT)
             break
         except transport.Refused:
             raise
@@ -187,7 +200,7 @@ def serve_main(args) -> int:
             urls = local.urls
         pool = WorkerPool(urls, router, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
                           timeout=args.worker_timeout, connect_timeout=args.connect_timeout,
-                          split_replicas=not args.no_split, secret=secret)
+                          split_replicas=not args.no_split, secret=secret, balancing=args.balancing)
         if local is not None:
             local.post = pool.loop.call_soon_threadsafe
             local.on_moved = pool.workers.set_url
@@ -195,7 +208,8 @@ def serve_main(args) -> int:
         server = GatewayServer(pool, args.listen, max_batch_tokens=args.max_batch_tokens,
                                max_wait_ms=args.max_wait_ms, max_inflight_rounds=args.max_inflight_rounds,
                                max_batch_requests=args.max_batch_requests, secret=secret,
-                               max_connections=args.max_connections, idle_timeout=args.idle_timeout or None)
+                               max_connections=args.max_connections, idle_timeout=args.idle_timeout or None,
+                               batching=args.batching)
         server.local = local
     except SystemExit:
         raise
@@ -212,7 +226,8 @@ def serve_main(args) -> int:
             from transport.service.metrics import serve
 
             try:
-                serve(GatewayMetrics(server).attach().registry, args.metrics_port, args.metrics_addr)
+                gm = GatewayMetrics(server).attach()
+                serve(gm.registry, args.metrics_port, args.metrics_addr, health=gm.health())
             except Exception as e:
                 print(f"moe-gateway: metrics: {e}", file=sys.stderr)
                 return 2
@@ -238,7 +253,8 @@ def add_update_parser(sub) -> argparse.ArgumentParser:
     st = acts.add_parser("start", formatter_class=options.HelpFormatter,
                          help="load the new version everywhere; traffic starts at the first step")
     st.add_argument("--experts", required=True, type=options.int_list, help="e.g. 3 or 0-3 or 1,5")
-    st.add_argument("--version", type=int, required=True, help="the new version number (>= 0)")
+    st.add_argument("--new-version", dest="version", type=int, required=True, metavar="N",
+                    help="the new weights' version number (>= 0)")
     source = st.add_mutually_exclusive_group(required=True)
     source.add_argument("--weights", help=".npz (SwiGLUExpert.save_many) in the workers' --update-dir")
     source.add_argument("--seed", type=int, help="demo weights from this seed")

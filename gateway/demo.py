@@ -25,21 +25,28 @@ FULL = dict(d_model=1024, d_ff=2048, batch_min=256, batch_max=256)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gateway.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", default=os.environ.get("BACKEND", "shm"), choices=["shm", "tcp", "rdma"])
+    from transport.service.options import HelpFormatter, version
+
+    p = argparse.ArgumentParser(prog="python -m gateway.demo", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"gateway.demo {version()}")
+    p.add_argument("--backend", default=os.environ.get("BACKEND", "shm"), choices=["shm", "tcp", "rdma"],
+                   help="the local workers' transport (env BACKEND)")
     p.add_argument("--full", action="store_true", help="the issue's config (d_model 1024, d_ff 2048, 256 tokens)")
     p.add_argument("--local-workers", type=int, default=2, help="worker processes the gateway starts")
-    p.add_argument("--n-experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--d-ff", type=int, default=512)
+    p.add_argument("--n-experts", type=int, default=8, help="routed experts in the layer")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--d-model", type=int, default=256, help="model width")
+    p.add_argument("--d-ff", type=int, default=512, help="expert hidden width")
     p.add_argument("--batch-min", type=int, default=64, help="tokens per request, drawn in [min, max]")
-    p.add_argument("--batch-max", type=int, default=256)
-    p.add_argument("--clients", type=int, default=3, help="concurrent clients (one thread each)")
+    p.add_argument("--batch-max", type=int, default=256, help="tokens per request at most")
+    p.add_argument("--concurrency", type=int, default=3, help="concurrent clients (one thread each)")
     p.add_argument("--duration", type=float, default=5.0, help="seconds of load")
-    p.add_argument("--max-wait-ms", type=float, default=1.0)
-    p.add_argument("--max-batch-tokens", type=int, default=None, help="default: clients x batch-max")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-wait-ms", type=float, default=1.0,
+                   help="the gateway's batching wait, ms (moe-gateway --max-wait-ms)")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="the gateway's tokens per round (default: concurrency x batch-max)")
+    p.add_argument("--seed", type=int, default=0, help="router, weights and request sizes")
     return p
 
 
@@ -82,7 +89,7 @@ def run(args) -> int:
     if args.full:
         for k, v in FULL.items():
             setattr(args, k, v)
-    max_batch = args.max_batch_tokens or args.clients * args.batch_max
+    max_batch = args.max_batch_tokens or args.concurrency * args.batch_max
     shm_before = _shm_entries()
     argv = [sys.executable, "-m", "gateway.cli", "--listen", _listen_url(args.backend),
             "--local-workers", str(args.local_workers), "--backend", args.backend,
@@ -91,7 +98,7 @@ def run(args) -> int:
             "--max-batch-tokens", str(max_batch), "--max-wait-ms", str(args.max_wait_ms)]
     print(f"moe-transport demo: backend={args.backend}  {args.local_workers} workers, {args.n_experts} experts, "
           f"top-{args.top_k}, d_model={args.d_model}, d_ff={args.d_ff}, batches of "
-          f"{args.batch_min}-{args.batch_max} tokens, {args.clients} clients for {args.duration:.0f} s")
+          f"{args.batch_min}-{args.batch_max} tokens, {args.concurrency} clients for {args.duration:.0f} s")
     t0 = time.monotonic()
     proc, url = spawn_service(argv, timeout=60.0, env=blas_env(1))
     ok = True
@@ -115,7 +122,7 @@ def run(args) -> int:
             counts: list = []
             deadline = time.monotonic() + args.duration
             threads = [threading.Thread(target=_drive, args=(url, args, deadline, s, latencies, errors, counts),
-                                        daemon=True) for s in range(args.clients)]
+                                        daemon=True) for s in range(args.concurrency)]
             t = time.perf_counter()
             for th in threads:
                 th.start()

@@ -1,8 +1,11 @@
 """Prometheus metrics of the gateway: a scrape-time collector over its counters (requests,
-rounds, workers, hot update, transport connections) plus per-round stage histograms.
+rounds, workers, hot update, transport connections) plus per-round stage histograms and
+the per-request latency histogram; and its /healthz and /readyz.
 
-The serve loop pays one ``observe`` per stage per round; everything else is read when
-``/metrics`` is scraped, through public attributes, without a lock.
+The serve loop pays one ``observe`` per stage per round and one per request; everything
+else is read when ``/metrics`` is scraped, through public attributes, without a lock.
+Labels are bounded: workers by index (their URL is in ``moe_gateway_worker_info``, as it
+may change when a supervisor respawns one), connections by a stable slot (connbook.py).
 """
 from __future__ import annotations
 
@@ -10,8 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gateway.update import State
-from gateway.workers import Health
-from transport.service.metrics import FnCollector, serve_families, transport_families
+from gateway.workers import Health as WorkerHealth
+from transport.service.connbook import ConnectionBook
+from transport.service.health import Health, Heartbeat
+from transport.service.metrics import FnCollector, build_info, serve_families, transport_families
 
 STAGES = ("queue", "route", "dispatch", "compute", "wait", "combine", "total")
 STAGE_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
@@ -43,11 +48,36 @@ class GatewayMetrics:
                                          registry=self.registry, buckets=STAGE_BUCKETS)
         self._outcome = {True: self.request_seconds.labels(outcome="ok"),
                          False: self.request_seconds.labels(outcome="error")}
+        self.worker_book = ConnectionBook("worker")
+        self.heartbeat: Heartbeat | None = None  # set by attach()
 
     def attach(self) -> "GatewayMetrics":
-        self.server.on_round = self.on_round
-        self.server.on_request = self.on_request
+        """Feed the histograms, name the worker connections, and beat with the serve loop."""
+        srv = self.server
+        srv.on_round = self.on_round
+        srv.on_request = self.on_request
+        for w in srv.pool.workers:
+            if w.conn is not None:
+                self.worker_book.opened(w.conn, slot=w.index)
+        srv.pool.workers.on_up.append(lambda w: self.worker_book.opened(w.conn, slot=w.index))
+        srv.pool.workers.on_down.append(lambda w, why: self.worker_book.closed(w.conn))
+        self.heartbeat = Heartbeat()
+        srv.loop.add_tick(self.heartbeat.tick)
         return self
+
+    def health(self) -> Health:
+        return Health(live=self.heartbeat.check if self.heartbeat is not None else None, ready=self.ready)
+
+    def ready(self) -> tuple[bool, dict]:
+        """Ready: not draining, and every expert has a healthy worker (else some requests
+        could only fail with ``unavailable``)."""
+        srv, pool = self.server, self.server.pool
+        workers = list(pool.workers)
+        missing = [e for e in range(pool.n_experts) if not any(w.usable and e in w.experts for w in workers)]
+        draining = bool(srv.draining)
+        detail = {"draining": draining, "experts_without_healthy_worker": missing,
+                  "workers": {str(w.index): w.state.value for w in workers}}
+        return not missing and not draining, detail
 
     def on_request(self, seconds: float, ok: bool) -> None:
         self._outcome[ok].observe(seconds)
@@ -95,7 +125,8 @@ class GatewayMetrics:
         for code, n in sorted(list(st.errors.items())):
             ec.add_metric([str(code)], n)
         fams.append(ec)
-        wl = ["worker", "url"]
+        wl = ["worker"]
+        info = GaugeMetricFamily("moe_gateway_worker_info", "The worker's URL (always 1)", labels=["worker", "url"])
         healthy = GaugeMetricFamily("moe_gateway_worker_healthy", "1 if the worker is usable", labels=wl)
         state = GaugeMetricFamily("moe_gateway_worker_state", "Worker state (1 on the current one)",
                                   labels=wl + ["state"])
@@ -108,11 +139,11 @@ class GatewayMetrics:
                                    labels=wl)
         erows = CounterMetricFamily("moe_gateway_worker_expert_rows", "Rows sent per worker and expert",
                                     labels=wl + ["expert"])
-        conns = []
         for w in list(pool.workers):
-            lv = [str(w.index), w.url]
+            lv = [str(w.index)]
+            info.add_metric([str(w.index), w.url], 1)
             healthy.add_metric(lv, int(w.usable))
-            for h in Health:
+            for h in WorkerHealth:
                 state.add_metric(lv + [h.value], int(w.state == h))
             out.add_metric(lv, w.outstanding_rows)
             sent.add_metric(lv, w.rows_sent)
@@ -121,14 +152,12 @@ class GatewayMetrics:
             comp.add_metric(lv, w.compute_seconds)
             for e, n in sorted(list(w.expert_rows.items())):
                 erows.add_metric(lv + [str(e)], n)
-            if w.conn is not None:
-                conns.append(("worker", w.conn))
         wver = GaugeMetricFamily("moe_gateway_worker_expert_version", "Active weights version per worker and "
                                  "expert, as the worker last said", labels=wl + ["expert"])
         for w in list(pool.workers):
             for e, v in sorted(list(w.versions.items())):
-                wver.add_metric([str(w.index), w.url, str(e)], v)
-        fams += [healthy, state, out, sent, bsent, fail, comp, erows, wver]
+                wver.add_metric([str(w.index), str(e)], v)
+        fams += [info, healthy, state, out, sent, bsent, fail, comp, erows, wver]
         up = pool.update
         if up is not None:
             ul = ["experts", "old", "new"]
@@ -145,7 +174,7 @@ class GatewayMetrics:
             for side in ("old", "new"):
                 served.add_metric(lv + [side], up.served[side])
             fams += [frac, ust, served]
-        conns += [("client", c) for c in srv.clients()]
-        fams.extend(transport_families(conns))
+        fams.extend(transport_families([self.worker_book, srv.conn_book]))
         fams.extend(serve_families(srv.loop.stats, "gateway"))
+        fams.append(build_info("gateway"))
         return fams

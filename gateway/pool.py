@@ -43,7 +43,8 @@ class WorkerPool:
     def __init__(self, urls: Sequence[str], router: Router, *, dtype: Any = np.float32,
                  max_batch_tokens: int = 1024, timeout: float = 10.0, connect_timeout: float = 10.0,
                  nslots: int = 8, split_replicas: bool = True, min_split: int = 16,
-                 secret: Any = secrets.FIND, loop: Optional[ServeLoop] = None) -> None:
+                 secret: Any = secrets.FIND, loop: Optional[ServeLoop] = None,
+                 balancing: str = "load-aware") -> None:
         secret = secrets.for_client(secret)
         self.router = router
         self.dtype = np.dtype(dtype)
@@ -62,7 +63,7 @@ class WorkerPool:
         self.rollout = Rollout(self.workers, self.n_experts, next_id=next_id)
         self.rounds = RoundBook(self.workers, router, dtype=self.dtype, max_batch_tokens=self.max_batch_tokens,
                                 timeout=timeout, split_replicas=split_replicas, min_split=min_split,
-                                decide_pins=self.rollout.decide, next_id=next_id)
+                                decide_pins=self.rollout.decide, next_id=next_id, balancing=balancing)
         self.workers.on_message = self._on_message
         self.workers.on_up.append(self._up)
         self.workers.on_down.append(self._down)
@@ -127,6 +128,10 @@ class WorkerPool:
 
     def stats(self) -> list[dict]:
         return [w.as_dict() for w in self.workers]
+
+    def replication(self) -> int:
+        """The most workers hosting one expert (1: no replica to choose between)."""
+        return max((sum(1 for w in self.workers if e in w.experts) for e in range(self.n_experts)), default=0)
 
     @property
     def update(self):

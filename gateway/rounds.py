@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from gateway.dispatch import DispatchPlan, split_over_replicas
-from gateway.replicas import choose_replicas
+from gateway.replicas import BALANCING, choose_least_loaded, choose_replicas
 from gateway.router import Routing
 from gateway.workers import WorkerLink, WorkerSet
 from transport import TransportError
@@ -162,7 +162,10 @@ class RoundBook:
     def __init__(self, workers: WorkerSet, router, *, dtype: np.dtype, max_batch_tokens: int, timeout: float,
                  split_replicas: bool = True, min_split: int = 16,
                  decide_pins: Optional[Callable[[], dict]] = None,
-                 next_id: Optional[Callable[[], int]] = None) -> None:
+                 next_id: Optional[Callable[[], int]] = None, balancing: str = "load-aware") -> None:
+        if balancing not in BALANCING:
+            raise ValueError(f"balancing must be one of {BALANCING}, got {balancing!r}")
+        self.balancing = balancing
         self.workers = workers
         self.router = router
         self.dtype = np.dtype(dtype)
@@ -226,6 +229,14 @@ class RoundBook:
         self._check_settled(rnd)
         return rnd
 
+    def route_early(self, req: Request) -> Optional[frozenset]:
+        """Route ``req`` now, before it is batched (expert-aware batching needs its experts);
+        the experts it needs, or None when it was refused (it is finished with its error;
+        see :meth:`take_finished`). Dispatch does not route it again."""
+        if not self._route(req):
+            return None
+        return frozenset(np.flatnonzero(req.routing.expert_counts).tolist())
+
     def _route(self, req: Request) -> bool:
         x = req.x
         if x.ndim != 2 or x.shape[1] != self.d_model or x.dtype != self.dtype:
@@ -271,8 +282,12 @@ class RoundBook:
         counts = np.bincount(idx[idx >= 0].ravel(), minlength=self.n_experts)
         load = np.array([w.outstanding_rows for w in self.workers], dtype=np.float64)
         hosts = {e: self.hosts(e) for e in range(self.n_experts) if counts[e]}
-        replicas, shares = choose_replicas(counts, hosts, load, split=self.split_replicas,
-                                           min_split=self.min_split)
+        if self.balancing == "least-loaded":
+            cost = np.array([w.seconds_per_row for w in self.workers], dtype=np.float64)
+            replicas, shares = choose_least_loaded(counts, hosts, load, cost)
+        else:
+            replicas, shares = choose_replicas(counts, hosts, load, split=self.split_replicas,
+                                               min_split=self.min_split)
         # one assignment over the round, so a replicated expert is balanced across requests
         if all(len(ws) == 1 for ws in replicas.values()):  # no split: a table lookup is enough
             table = np.zeros(self.n_experts, dtype=np.int64)
@@ -375,6 +390,7 @@ class RoundBook:
             return
         cs = float(h.get("compute_s", 0.0))
         w.compute_seconds += cs
+        w.record_compute(cs, rows)
         w.cpu_s = float(h.get("cpu_s", w.cpu_s))
         st = rnd.stats
         st.compute_s = max(st.compute_s, cs)

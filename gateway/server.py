@@ -27,6 +27,7 @@ from gateway.batcher import Batcher
 from gateway.pool import WorkerPool
 from gateway.rounds import BatchStats, Request
 from gateway.update import UpdateError
+from transport.service.connbook import ConnectionBook
 from transport.service.loop import ServeLoop
 from workers import protocol as P
 
@@ -97,14 +98,15 @@ class GatewayServer:
                  max_wait_ms: float = 1.0, max_inflight_rounds: int = 2, max_batch_requests: int = 256,
                  nslots: int = 8, io_timeout: float = 10.0, drain_timeout: float = 10.0,
                  secret: Optional[bytes] = None, max_connections: int = 1024,
-                 idle_timeout: Optional[float] = 300.0) -> None:
+                 idle_timeout: Optional[float] = 300.0, batching: str = "fifo") -> None:
         self.pool = pool
         self.loop: ServeLoop = pool.loop
         self.max_batch_tokens = int(max_batch_tokens or pool.max_batch_tokens)
         if not 1 <= self.max_batch_tokens <= pool.max_batch_tokens:
             raise ValueError(f"max_batch_tokens must be in [1, {pool.max_batch_tokens}] (the pool's)")
         self.batcher = Batcher(max_batch_tokens=self.max_batch_tokens, max_wait=max_wait_ms / 1000.0,
-                               max_inflight_rounds=max_inflight_rounds, max_batch_requests=max_batch_requests)
+                               max_inflight_rounds=max_inflight_rounds, max_batch_requests=max_batch_requests,
+                               policy=batching)
         self.io_timeout, self.drain_timeout = io_timeout, drain_timeout
         slot_size = max(MIN_SLOT_SIZE, self.max_batch_tokens * pool.row_bytes)
         self.listener = transport.listen(listen_url, slot_size=slot_size, nslots=nslots, timeout=io_timeout,
@@ -119,6 +121,7 @@ class GatewayServer:
         self._draining_since: Optional[float] = None
         self.on_round = None  # callable(BatchStats, queue_s) after each round (metrics)
         self.on_request = None  # callable(seconds, ok) after each answered request (metrics)
+        self.conn_book = ConnectionBook("client")  # stable connection names for the metrics
 
     # -- what others read --------------------------------------------------------------------
     @property
@@ -135,6 +138,11 @@ class GatewayServer:
 
     def clients(self) -> list:
         return self.loop.connections("clients")
+
+    @property
+    def draining(self) -> bool:
+        """Stopping: no new requests are accepted (readiness says no)."""
+        return self._stop or self._draining_since is not None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -170,9 +178,11 @@ class GatewayServer:
     def _opened(self, conn) -> None:
         self.stats.clients_accepted += 1
         self.stats.clients_open = len(self.clients())
+        self.conn_book.opened(conn)
 
     def _closed(self, conn, why: Optional[str]) -> None:
         self.stats.clients_open = len(self.clients())
+        self.conn_book.closed(conn)
         for req in self.batcher.remove(lambda r: r.tag.conn is not conn):  # nobody is left to answer
             req.tag.msg.release()
 
@@ -216,7 +226,13 @@ class GatewayServer:
             self._reply(_Client(conn, None, rid), None)
             return
         x = msg.array(0, pool.dtype, (batch.rows, pool.d_model))
-        self.batcher.add(Request(x, _Client(conn, msg, rid)), batch.rows, time.monotonic())
+        req = Request(x, _Client(conn, msg, rid))
+        experts = None
+        if self.batcher.needs_experts:  # expert-aware batching: route now (dispatch then skips it)
+            experts = pool.rounds.route_early(req)
+            if experts is None:  # refused (its error is answered with the finished ones)
+                return
+        self.batcher.add(req, batch.rows, time.monotonic(), experts)
 
     def update(self, h: dict) -> dict:
         """A hot-update command from a client (``moe-gateway update ...``): start, advance,
@@ -240,6 +256,8 @@ class GatewayServer:
                 "config": {"max_batch_tokens": self.max_batch_tokens,
                            "max_wait_ms": self.batcher.max_wait * 1000,
                            "max_inflight_rounds": self.batcher.max_inflight_rounds,
+                           "batching": self.batcher.policy, "balancing": pool.rounds.balancing,
+                           "replicas": pool.replication(),
                            "n_experts": pool.n_experts, "top_k": pool.router.top_k,
                            "d_model": pool.d_model, "dtype": pool.dtype.name,
                            "router": pool.router.describe()}}
@@ -251,7 +269,7 @@ class GatewayServer:
             self.loop.stop_accepting()
         flush = self._draining_since is not None
         while self.batcher.due(now, self.pool.in_flight, flush=flush):
-            self.pool.dispatch(self.batcher.take())
+            self.pool.dispatch(self.batcher.take(now))
         for req in self.pool.take_finished():
             self._finish(req)
         return self.batcher.next_due(self.pool.in_flight)

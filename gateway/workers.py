@@ -39,6 +39,7 @@ RECONNECT_BACKOFF = (0.05, 0.5)  # first and longest wait between reconnection a
 REFUSED_BACKOFF = 5.0  # a worker that came back wrong is retried this slowly
 CONNECT_ATTEMPT = 2.0  # one reconnection attempt (connect, handshake, info) at most
 MIN_SLOT_SIZE = 64 << 10
+WORKER_SLOT_LIMIT = 256 << 20  # the largest worker receive slot the gateway accepts to send into
 
 
 class Health(str, enum.Enum):
@@ -85,6 +86,9 @@ class WorkerLink:
     compute_seconds: float = 0.0
     expert_rows: dict = field(default_factory=dict)  # expert_id -> rows sent
     cpu_s: float = 0.0  # the worker process's CPU seconds, as its last reply said
+    seconds_per_row: Optional[float] = None  # its compute per row (cost_seconds / cost_rows)
+    cost_seconds: float = 0.0  # decayed sums of the compute its replies reported ...
+    cost_rows: float = 0.0  # ... and of their rows
     pid: Optional[int] = None
     last_heard: float = 0.0
     ping_sent: Optional[float] = None
@@ -95,6 +99,16 @@ class WorkerLink:
     @property
     def usable(self) -> bool:
         return self.state == Health.HEALTHY
+
+    def record_compute(self, seconds: float, rows: int) -> None:
+        """A reply's compute time for ``rows`` rows: the worker's speed for least-loaded
+        balancing, as a ratio of decayed sums, so blocks weigh by their rows (a mean of
+        per-reply ratios would let one-row replies, nearly all fixed cost, make it look slow)."""
+        if rows <= 0:
+            return
+        self.cost_seconds = 0.9 * self.cost_seconds + seconds
+        self.cost_rows = 0.9 * self.cost_rows + rows
+        self.seconds_per_row = self.cost_seconds / self.cost_rows
 
     @property
     def connected(self) -> bool:
@@ -123,6 +137,7 @@ class WorkerLink:
                 "outstanding_rows": self.outstanding_rows, "rows_sent": self.rows_sent,
                 "batches_sent": self.batches_sent, "failures": self.failures, "reconnects": self.reconnects,
                 "compute_seconds": self.compute_seconds, "cpu_s": self.cpu_s, "pid": self.pid,
+                "seconds_per_row": self.seconds_per_row,
                 "versions": [[e, v, sorted(self.held.get(e, {v}))] for e, v in sorted(self.versions.items())],
                 "expert_rows": [[e, n] for e, n in sorted(self.expert_rows.items())],
                 "transport": self.conn.stats.as_dict() if self.conn is not None else {}}
@@ -188,8 +203,11 @@ class WorkerSet:
 
     # -- connecting ------------------------------------------------------------------------
     def _connect(self, url: str, timeout: float):
+        # a worker's receive slots (our send slots) may be larger than what we send: it was
+        # started for bigger batches. We chose this worker (and it proved the secret), so its
+        # slot size is not a stranger's say-so; the bound only stops absurd values
         conn = transport.connect(url, slot_size=self.slot_size, nslots=self.nslots, timeout=timeout,
-                                 secret=self.secret)
+                                 secret=self.secret, max_peer_slot_size=max(self.slot_size, WORKER_SLOT_LIMIT))
         try:
             info = _hello(conn, self.shape, url, timeout)
         except BaseException:

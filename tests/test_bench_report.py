@@ -111,7 +111,7 @@ def _rec(impl, backend, fig, size, p50, bw, label=None, n=1000):
 def _doc(results, backends=("shm",), sizes=(64, 4096, 1 << 20), figures=("descriptor", "data")):
     from bench.transport_bench import settings_of
     import argparse
-    args = argparse.Namespace(warmup=None, stream_count=None, slot_size=None, pin=None, no_peers=False)
+    args = argparse.Namespace(warmup_iters=None, stream_count=None, slot_size=None, pin=None, no_peers=False)
     doc = {"provenance": provenance(), "settings": settings_of(args, list(backends), list(sizes), 300, list(figures)),
            "complete": True, "interrupted": False, "results": results}
     R.transport_summary(doc)

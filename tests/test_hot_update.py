@@ -110,7 +110,7 @@ def test_update_under_load_drops_nothing_and_never_mixes_versions(gateway):
     try:
         load.wait_for(20)
         started = load.count()  # every request answered before this was decided before the update
-        st = cli(gateway.url, "start", "--experts", "2,5", "--version", "1", "--seed", str(NEW_SEED), "--wait")
+        st = cli(gateway.url, "start", "--experts", "2,5", "--new-version", "1", "--seed", str(NEW_SEED), "--wait")
         assert st["state"] == "shifting" and st["fraction"] == 0.01 and st["old"] == [[2, 0], [5, 0]]
         marks = [("loaded", load.count())]
         with GatewayClient(gateway.url, timeout=20.0) as admin:
@@ -187,5 +187,5 @@ def test_a_failed_load_leaves_serving_untouched(gateway, tmp_path):
         with pytest.raises(Exception, match="already active"):
             c.update("start", experts=[2], version=0, seed=1)
         r = subprocess.run([sys.executable, "-m", "gateway.cli", "update", "--gateway", gateway.url, "start",
-                            "--experts", "99", "--version", "3", "--seed", "1"], capture_output=True, text=True)
+                            "--experts", "99", "--new-version", "3", "--seed", "1"], capture_output=True, text=True)
         assert r.returncode == 2 and "no expert [99]" in r.stderr

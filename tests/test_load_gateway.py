@@ -61,6 +61,11 @@ def test_the_gateways_configuration_is_asked_and_used(tmp_path, gateway):
                                              "--top-k 2 (the gateway has 1)"]),
     (["--d-ff", "512"], ["--d-ff 512 (the gateway has 128)"]),
     (["--backend", "shm"], ["--backend shm contradicts --gateway"]),
+    (["--noisy", "--batching", "expert-aware"], ["--noisy True (the gateway has False)",
+                                                 "--batching expert-aware (the gateway has fifo)"]),
+    (["--replicas", "2", "--gate-bias=1,0,0,0"], ["--replicas 2 (the gateway has 1)",
+                                                  "--gate-bias 1,0,0,0 (the gateway has None)"]),
+    (["--sweep", "n_experts=4,8"], ["cannot change a running --gateway"]),
 ])
 def test_contradicting_flags_are_refused_before_any_load(tmp_path, gateway, flags, named):
     before = gateway_requests(gateway.url)

@@ -40,6 +40,22 @@ def scrape(url: str) -> dict:
     return out
 
 
+SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
+            "summary": ("_sum", "_count", "_created"), "gauge": ("",), "info": ("_info",)}
+
+
+def family_names(url: str) -> set:
+    """Every sample name the page declares, whether or not its family has samples now (an
+    error counter with no error yet still is exported)."""
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    out = set()
+    for fam in text_string_to_metric_families(text):
+        out |= {fam.name + sfx for sfx in SUFFIXES.get(fam.type, ("",))}
+        out |= {smp.name for smp in fam.samples}
+    return out
+
+
 def total(samples: dict, name: str, **match) -> float:
     want = set(match.items())
     return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
@@ -213,8 +229,82 @@ def test_hot_update_metrics_and_every_dashboard_metric_is_exposed(stack):
     assert total(held[0], "moe_expert_version_held", expert="1", version="0") == 1  # both: the double buffer
     assert total(gw, "moe_gateway_worker_expert_version", expert="1") == 0  # still the active one
     assert all(total(s, "process_cpu_seconds_total") > 0 for s in [gw, *workers])
-    served = {name for s in [gw, *workers] for (name, _) in s}
-    dash = json.loads((Path(__file__).parent.parent / "deploy/grafana/dashboards/moe-experts.json").read_text())
-    queried = {m for p in dash["panels"] for t in p["targets"]
+    served = set().union(*(family_names(u) for u in [stack.gateway_metrics, *stack.worker_metrics]))
+    dash = json.loads((Path(__file__).parent.parent / "deploy/grafana/dashboards/moe-transport.json").read_text())
+    queried = {m for p in dash["panels"] for t in p.get("targets", [])
                for m in re.findall(r"\b(?:moe|process)_[a-z_]+\b", t["expr"])}
     assert queried and queried <= served, f"the dashboard queries metrics nobody serves: {queried - served}"
+
+
+@pytest.mark.timeout(120)
+def test_every_dashboard_query_on_a_real_prometheus(tmp_path):
+    """The Grafana dashboard's every expression, evaluated by a real Prometheus scraping a
+    gateway and its workers under load: each one parses and runs, and each whose metrics
+    the services export returns series (an empty panel would mean a wrong name or label)."""
+    import threading
+    from pathlib import Path
+
+    if not os.path.exists(PROMETHEUS):
+        pytest.fail(f"{PROMETHEUS} is missing: install Debian's 'prometheus' package (make deps does, via apt)")
+    dash = json.loads((Path(__file__).parent.parent / "deploy/grafana/dashboards/moe-transport.json").read_text())
+    exprs = [(p["title"], t["expr"]) for p in dash["panels"] for t in p.get("targets", [])]
+    s = Stack("tcp", tmp_path)
+    prom, stop, load = None, threading.Event(), None
+
+    def traffic():
+        rng = np.random.default_rng(1)
+        with GatewayClient(s.url, timeout=20.0) as c:
+            try:
+                c.forward(np.zeros((3, D + 1), np.float32))  # refused: an error code to chart
+            except Exception:
+                pass
+            while not stop.is_set():
+                c.forward(rng.standard_normal((int(rng.integers(1, 24)), D)).astype(np.float32))
+                stop.wait(0.02)
+
+    try:
+        load = threading.Thread(target=traffic, daemon=True)
+        load.start()
+        jobs = {"moe-gateway": [urllib.parse.urlsplit(s.gateway_metrics).netloc],
+                "moe-worker": [urllib.parse.urlsplit(u).netloc for u in s.worker_metrics]}
+        cfg = tmp_path / "prometheus.yml"
+        cfg.write_text("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n" + "".join(
+            f"  - job_name: {job}\n    static_configs:\n      - targets: {json.dumps(t)}\n" for job, t in jobs.items()))
+        port = _free_port()
+        log = open(tmp_path / "prometheus.log", "w")
+        prom = subprocess.Popen([PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                 f"--web.listen-address=127.0.0.1:{port}"],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        base = f"http://127.0.0.1:{port}"
+
+        def rates_flowing():
+            if prom.poll() is not None:
+                raise AssertionError(f"prometheus exited:\n{(tmp_path / 'prometheus.log').read_text()[-3000:]}")
+            try:
+                return bool(_query(base, "sum(rate(moe_gateway_tokens_total[5s])) > 0")) and \
+                    len(_query(base, "up == 1")) == 3
+            except (OSError, ValueError):
+                return False
+
+        assert wait_until(rates_flowing, timeout=40.0, interval=0.5), \
+            (tmp_path / "prometheus.log").read_text()[-3000:]
+        exported = {name for (name, _) in scrape(s.gateway_metrics)}
+        for u in s.worker_metrics:
+            exported |= {name for (name, _) in scrape(u)}
+        empty = []
+        for title, expr in exprs:
+            q = expr.replace("$__rate_interval", "5s")
+            result = _query(base, q)  # asserts status success: it parsed and ran
+            names = set(re.findall(r"\b(?:moe|process)_[a-z_]+\b", expr))
+            if names <= exported and not result:
+                empty.append((title, q))
+        assert not empty, f"dashboard queries with no series although their metrics are exported: {empty}"
+        assert {r["metric"]["job"] for r in _query(base, "moe_build_info")} == {"moe-gateway", "moe-worker"}
+    finally:
+        stop.set()
+        if load is not None:
+            load.join(10)
+        if prom is not None:
+            prom.kill()
+            prom.wait(timeout=10)
+        s.close()

@@ -31,11 +31,25 @@ try:  # pyverbs is Debian's python3-pyverbs, not on PyPI: importing this module 
     from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
     from pyverbs.wr import SGE, RecvWR, SendWR
     IMPORT_ERROR: Optional[ImportError] = None
-except ImportError as exc:  # pragma: no cover - exercised where pyverbs is missing
+except ImportError as exc:  # exercised where pyverbs is missing (tests hide it)
     IMPORT_ERROR = exc
 
     class PyverbsError(Exception):  # type: ignore[no-redef]
         pass
+
+    class _Missing:
+        """Stands in for ``pyverbs.enums`` so that modules importing ``E`` from here still
+        import; any use of it raises the install hint (never "cannot import name 'E'")."""
+
+        def __getattr__(self, name: str):
+            require_pyverbs()
+
+    E = _Missing()  # type: ignore[assignment]
+
+INSTALL_HINT = ("rdma:// needs pyverbs, which is not on PyPI: on Debian/Ubuntu `apt-get install "
+                "python3-pyverbs rdma-core ibverbs-providers`, then make it visible to this Python (a venv: "
+                "`make deps` links /usr/lib/python3/dist-packages/pyverbs into it, or create the venv with "
+                "--system-site-packages)")
 
 #: verbs objects created by this module and not destroyed yet, by kind (tests read it)
 LIVE: collections.Counter = collections.Counter()
@@ -52,9 +66,9 @@ MIN_RNR_TIMER = 12  # 0.64 ms
 
 
 def require_pyverbs() -> None:
+    """TransportError with the install hint when pyverbs did not import."""
     if IMPORT_ERROR is not None:
-        raise TransportError(f"rdma:// needs pyverbs (Debian: apt-get install python3-pyverbs): "
-                             f"{IMPORT_ERROR}")
+        raise TransportError(f"{INSTALL_HINT} ({type(IMPORT_ERROR).__name__}: {IMPORT_ERROR})")
 
 
 def _event_fds() -> set:

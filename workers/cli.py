@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nslots", type=int, default=8, help="receive slots (credits) per connection")
     t.add_argument("--io-timeout", type=float, default=10.0, help="bound on every transport wait, seconds")
     t.add_argument("--max-connections", type=int, default=64, help="connections served at once (more are refused)")
-    t.add_argument("--idle-timeout", type=float, default=None,
-                   help="close a connection idle this long, seconds (default: never; gateways ping)")
+    t.add_argument("--idle-timeout", type=float, default=0.0,
+                   help="close a connection idle this long, seconds (0: never, as gateways ping)")
     options.add_security(t, service=True)
     r = p.add_argument_group("process")
     r.add_argument("--threads", type=int, default=1, help="BLAS threads (1: the stable choice on few cores)")
@@ -90,8 +90,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     limits = threadpool_limits(limits=args.threads)  # noqa: F841 (kept for the process's life)
     options.raise_fd_limit()
     try:
-        # a worker uses a secret only when given one: it never creates the default file
+        # as the gateway: without a secret, the per-user default one (created, 0600, if none
+        # exists yet), so a gateway and workers one user starts on a host find the same secret
+        # and authenticate each other; --insecure (a trusted network, other hosts) keeps none
         secret, _ = secrets.resolve(args.secret_file, use_default=False)
+        if secret is None and not args.insecure:
+            try:
+                secret, _ = secrets.create_default()
+            except OSError as e:  # no writable home (a container): no secret, loopback only
+                log.warning("no shared secret: cannot create the per-user default (%s)", e)
         options.check_exposure(args.listen, secret, args.insecure, "moe-worker")
         experts = load_experts(args)
         daemon = WorkerDaemon(experts, args.listen, max_tokens=args.max_tokens, slot_size=args.slot_size,
@@ -99,7 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               drain_timeout=args.drain_timeout, drain_idle=args.drain_idle,
                               watch_parent=os.getppid() if args.exit_with_parent else None, secret=secret,
                               update_dir=args.update_dir, max_connections=args.max_connections,
-                              idle_timeout=args.idle_timeout)
+                              idle_timeout=args.idle_timeout or None)
     except SystemExit:
         raise
     except Exception as e:
@@ -107,9 +114,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         from transport.service.metrics import maybe_serve
-        from workers.metrics import worker_registry
+        from workers.metrics import worker_health, worker_registry
 
-        maybe_serve(lambda: worker_registry(daemon), args)
+        maybe_serve(lambda: worker_registry(daemon), args, health=worker_health(daemon))
     except Exception as e:
         print(f"moe-worker: metrics: {e}", file=sys.stderr)
         return 2

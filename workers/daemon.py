@@ -15,6 +15,7 @@ that proved the shared secret (its gateway), and new weights only from ``update_
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import time
@@ -24,6 +25,7 @@ from typing import Mapping, Optional
 import numpy as np
 
 import transport
+from transport.service.connbook import ConnectionBook
 from transport.service.loop import ServeLoop
 from workers import protocol as P
 from workers.expert import SwiGLUExpert
@@ -36,17 +38,31 @@ PEER_NSLOTS = 64  # the most slots (credits) a gateway may make us keep for it
 __all__ = ["WorkerDaemon", "WorkerStats", "ExpertCounters", "slot_size_for", "MAX_VERSIONS"]
 
 
+# upper bounds (seconds) of the per-expert compute histogram's buckets (the last is +Inf)
+COMPUTE_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+                   0.5, 1.0, 2.5)
+
+
 @dataclass
 class ExpertCounters:
-    """Per-expert counters; plain numbers so an exporter can read them as they are."""
+    """Per-expert counters; plain numbers so an exporter can read them as they are.
+    ``compute_buckets[i]`` counts expert groups whose compute took <= COMPUTE_BUCKETS[i]
+    and more than the bound before (the last: more than every bound), so the exporter can
+    publish a histogram that aggregates across workers (a summary cannot)."""
 
     tokens: int = 0
     batches: int = 0
     compute_seconds: float = 0.0
     errors: int = 0
+    compute_buckets: list = field(default_factory=lambda: [0] * (len(COMPUTE_BUCKETS) + 1))
+
+    def observe(self, seconds: float) -> None:
+        """One expert group's compute time (one bisect on 17 floats: cheap per group)."""
+        self.compute_seconds += seconds
+        self.compute_buckets[bisect.bisect_left(COMPUTE_BUCKETS, seconds)] += 1
 
     def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "compute_buckets"}
 
 
 @dataclass
@@ -110,6 +126,7 @@ class WorkerDaemon:
         self._stop = False
         self._draining = False
         self.in_flight = 0  # batches received and not yet answered
+        self.conn_book = ConnectionBook("gateway")  # stable connection names for the metrics
 
     # -- what others read ------------------------------------------------------
     @property
@@ -172,9 +189,11 @@ class WorkerDaemon:
     def _opened(self, conn) -> None:
         self.stats.connections_accepted += 1
         self.stats.connections_open = len(self.loop.connections())
+        self.conn_book.opened(conn)
 
     def _closed(self, conn, why: Optional[str]) -> None:
         self.stats.connections_open = len(self.loop.connections())
+        self.conn_book.closed(conn)
         self.versions.forget(conn)
 
     # -- requests --------------------------------------------------------------
@@ -250,7 +269,7 @@ class WorkerDaemon:
                     dt = time.perf_counter() - t
                     c.tokens += count
                     c.batches += 1
-                    c.compute_seconds += dt
+                    c.observe(dt)
                     per_expert.append([e, count, dt])
                 compute_s = time.perf_counter() - t0
                 msg.release()  # inputs consumed: give the sender its slot back before we reply

@@ -7,9 +7,14 @@ are plain ints/floats; containers are copied before iterating).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
-from transport.service.metrics import FnCollector, serve_families, transport_families
+from transport.service.health import Health, Heartbeat
+from transport.service.metrics import FnCollector, build_info, serve_families, transport_families
+from workers.daemon import COMPUTE_BUCKETS
+
+_LE = [floatToGoString(b) for b in COMPUTE_BUCKETS] + ["+Inf"]  # as prometheus_client writes `le`
 
 
 # -- worker ---------------------------------------------------------------------
@@ -20,8 +25,8 @@ def worker_families(daemon) -> list:
     tok = CounterMetricFamily("moe_expert_tokens", "Tokens (rows) computed per expert", labels=["expert"])
     bat = CounterMetricFamily("moe_expert_batches", "Expert groups computed per expert", labels=["expert"])
     err = CounterMetricFamily("moe_expert_errors", "Compute failures per expert", labels=["expert"])
-    cs = SummaryMetricFamily("moe_expert_compute_seconds", "Expert compute time (count = batches)",
-                             labels=["expert"])
+    cs = HistogramMetricFamily("moe_expert_compute_seconds", "Compute time of one expert group (count = "
+                               "batches); a histogram, so it aggregates across workers", labels=["expert"])
     ver = GaugeMetricFamily("moe_expert_version", "Active weights version per expert", labels=["expert"])
     held = GaugeMetricFamily("moe_expert_version_held", "1 per weights version held (hot update: two)",
                              labels=["expert", "version"])
@@ -30,7 +35,11 @@ def worker_families(daemon) -> list:
         tok.add_metric(lv, c.tokens)
         bat.add_metric(lv, c.batches)
         err.add_metric(lv, c.errors)
-        cs.add_metric(lv, count_value=c.batches, sum_value=c.compute_seconds)
+        cum, buckets = 0, []
+        for le, n in zip(_LE, list(c.compute_buckets)):
+            cum += n
+            buckets.append((le, cum))
+        cs.add_metric(lv, buckets, sum_value=c.compute_seconds)
         ex = daemon.experts.get(e)
         ver.add_metric(lv, getattr(ex, "version", 0) if ex is not None else 0)
         for v in sorted(list(getattr(daemon, "held", {}).get(e, {}))):
@@ -51,7 +60,8 @@ def worker_families(daemon) -> list:
     fams.append(GaugeMetricFamily("moe_worker_connections_open", "Connections open", value=st.connections_open))
     fams.append(GaugeMetricFamily("moe_worker_draining", "1 while draining", value=int(daemon.draining)))
     fams.extend(serve_families(daemon.loop.stats, "worker"))
-    fams.extend(transport_families(("gateway", c) for c in daemon.connections()))
+    fams.extend(transport_families([daemon.conn_book]))
+    fams.append(build_info("worker"))
     return fams
 
 
@@ -60,3 +70,16 @@ def worker_registry(daemon) -> CollectorRegistry:
     reg.register(FnCollector(lambda: worker_families(daemon)))
     ProcessCollector(registry=reg)  # process_cpu_seconds_total, resident memory, open fds
     return reg
+
+
+def worker_health(daemon) -> Health:
+    """/healthz: the daemon's serve loop turns (a heartbeat tick); /readyz: it is not
+    draining (after SIGTERM it still answers what it was sent, but takes nothing new)."""
+    beat = Heartbeat()
+    daemon.loop.add_tick(beat.tick)
+
+    def ready() -> tuple[bool, dict]:
+        draining = bool(daemon.draining)
+        return not draining, {"draining": draining, "experts": sorted(daemon.experts),
+                              "connections": len(daemon.conn_book)}
+    return Health(live=beat.check, ready=ready)

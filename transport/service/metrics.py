@@ -1,21 +1,30 @@
 """Prometheus plumbing the services share (prometheus_client, one registry per process):
-scrape-time collectors over plain counters, per-connection transport counters, and the
-HTTP endpoint.
+scrape-time collectors over plain counters, per-connection transport counters, the build
+info, and the HTTP endpoint (/metrics, /healthz, /readyz: transport/service/health.py).
 
 The counters live where they always did (plain numbers in the services' stats objects); a
 collector reads them when ``/metrics`` is scraped, so the serve loops pay nothing for it.
 """
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
 import sys
 from typing import Callable, Iterable, Iterator, Optional
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .connbook import COUNTED, ConnectionBook
+from .health import Health, HealthServer
+
 METRICS = "METRICS"  # the stderr line: "METRICS http://host:port/metrics"
-TRANSPORT_FIELDS = (  # ConnectionStats field -> metric (all counters)
+# Both services' conventional metrics port: 9632 is marked FREE in the exporters' range of
+# Prometheus' default port allocations (9100 is node_exporter's, 9090-9094 Prometheus' own).
+DEFAULT_PORT = 9632
+TRANSPORT_FIELDS = (  # ConnectionStats field -> metric (all counters), in connbook.COUNTED order
     ("bytes_sent", "moe_transport_bytes_sent", "Bytes sent on the connection"),
     ("bytes_received", "moe_transport_bytes_received", "Bytes received on the connection"),
     ("messages_sent", "moe_transport_messages_sent", "Messages sent on the connection"),
@@ -23,6 +32,7 @@ TRANSPORT_FIELDS = (  # ConnectionStats field -> metric (all counters)
     ("copies", "moe_transport_copies", "User-space copies (unregistered buffers handed to send)"),
     ("credit_stalls", "moe_transport_credit_stalls", "Sends that waited for the peer to return credits"),
 )
+assert tuple(f for f, _, _ in TRANSPORT_FIELDS) == COUNTED
 
 
 class FnCollector(Collector):
@@ -33,23 +43,50 @@ class FnCollector(Collector):
         yield from self._fn()
 
 
-def backend_of(conn) -> str:
-    url = getattr(conn, "url", "") or ""
-    return url.split("://", 1)[0] if "://" in url else type(conn).__module__.rsplit(".", 1)[-1]
+def transport_families(books: Iterable[ConnectionBook]) -> list:
+    """One sample per connection slot per counter, labelled ``role``, ``conn`` (a stable
+    name: connbook.py) and ``backend``; nothing per peer address or object id, so the
+    series are bounded and survive reconnects."""
+    labels = ["role", "conn", "backend"]
+    fams = [CounterMetricFamily(name, doc, labels=labels) for _, name, doc in TRANSPORT_FIELDS]
+    for book in books:
+        for name, backend, counts in book.samples():
+            lv = [book.role, name, backend]
+            for fam, v in zip(fams, counts):
+                fam.add_metric(lv, v)
+    return fams
 
 
-def transport_families(conns: Iterable[tuple[str, object]]) -> list:
-    """``conns``: (role, connection) pairs; one sample per connection per counter."""
-    labels = ["role", "conn", "peer", "backend"]
-    fams = {f: CounterMetricFamily(name, doc, labels=labels) for f, name, doc in TRANSPORT_FIELDS}
-    for role, conn in conns:
-        st = getattr(conn, "stats", None)
-        if st is None:
-            continue
-        lv = [role, f"{role}-{id(conn):x}", str(getattr(conn, "url", "")), backend_of(conn)]
-        for f, _, _ in TRANSPORT_FIELDS:
-            fams[f].add_metric(lv, getattr(st, f))
-    return list(fams.values())
+_COMMIT: Optional[str] = None
+
+
+def build_commit() -> str:
+    """The commit the running code was built from: $MOE_BUILD_COMMIT (the Dockerfile's
+    build argument), else the checkout's HEAD when it runs from one, else "unknown"."""
+    global _COMMIT
+    if _COMMIT is None:
+        commit = os.environ.get("MOE_BUILD_COMMIT", "").strip()
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        if not commit and os.path.exists(os.path.join(root, ".git")):
+            try:
+                p = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                   timeout=5)
+                commit = p.stdout.strip() if p.returncode == 0 else ""
+            except (OSError, subprocess.SubprocessError):
+                commit = ""
+        _COMMIT = commit or "unknown"
+    return _COMMIT
+
+
+def build_info(service: str) -> GaugeMetricFamily:
+    """``moe_build_info{service, version, commit, python} 1``: join it on ``instance`` to
+    see which build each target runs."""
+    from .options import version
+
+    fam = GaugeMetricFamily("moe_build_info", "Build of the running service (always 1)",
+                            labels=["service", "version", "commit", "python"])
+    fam.add_metric([service, version(), build_commit(), platform.python_version()], 1)
+    return fam
 
 
 def serve_families(stats, service: str) -> list:
@@ -88,24 +125,28 @@ def _gauge(name: str, doc: str, service: str, value: float) -> GaugeMetricFamily
 
 # -- serving --------------------------------------------------------------------
 
-def serve(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1", *, stream=None) -> str:
-    """Serve ``registry`` on http://addr:port/metrics (port 0: any free one) from a daemon
-    thread; prints ``METRICS <url>`` on ``stream`` (stderr) and returns the URL."""
-    server, _thread = start_http_server(port, addr=addr, registry=registry)
-    host, bound = server.server_address[:2]
+def serve(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1", *, health: Optional[Health] = None,
+          stream=None) -> str:
+    """Serve ``registry`` on http://addr:port/metrics, with /healthz and /readyz from
+    ``health`` (port 0: any free one), from daemon threads; prints ``METRICS <url>`` on
+    ``stream`` (stderr) and returns the URL."""
+    server = HealthServer(addr, port, registry, health or Health())
+    server.start()
+    host, bound = server.address
     url = f"http://{'[' + host + ']' if ':' in str(host) else host}:{bound}/metrics"
     print(f"{METRICS} {url}", file=stream or sys.stderr, flush=True)
     return url
 
 
 def add_flags(parser) -> None:
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics on http://ADDR:PORT/metrics (0: a free port; "
-                             "prints 'METRICS <url>' on stderr); default: off")
+    parser.add_argument("--metrics-port", type=int, nargs="?", const=DEFAULT_PORT, default=None, metavar="PORT",
+                        help=f"serve Prometheus metrics on http://ADDR:PORT/metrics, liveness on /healthz and "
+                             f"readiness on /readyz (the flag alone: port {DEFAULT_PORT}; 0: a free port); prints "
+                             f"'METRICS <url>' on stderr; default: off")
     parser.add_argument("--metrics-addr", default="127.0.0.1", help="address the metrics endpoint binds")
 
 
-def maybe_serve(registry_fn: Callable[[], CollectorRegistry], args) -> Optional[str]:
+def maybe_serve(registry_fn: Callable[[], CollectorRegistry], args, health: Optional[Health] = None) -> Optional[str]:
     if getattr(args, "metrics_port", None) is None:
         return None
-    return serve(registry_fn(), args.metrics_port, args.metrics_addr)
+    return serve(registry_fn(), args.metrics_port, args.metrics_addr, health=health)
