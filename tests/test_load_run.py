@@ -64,7 +64,10 @@ def test_fixed_rate_on_our_gateway(tmp_path):
         q = r[k]
         assert 0 < q["p50"] <= q["p95"] <= q["p99"] <= q["p999"], (k, q)
     assert r["ttft_ms"]["p50"] < r["e2e_ms"]["p50"]
-    assert 0 < r["request_goodput"] == r["request_throughput"] and r["goodput_share"] == 1.0  # nothing near the default SLOs
+    # goodput counts the requests within the SLOs: never above throughput (whether a request
+    # meets an SLO is timing, which a test does not assert)
+    assert 0 <= r["request_goodput"] <= r["request_throughput"]
+    assert r["goodput_share"] == pytest.approx(r["good"] / r["completed"])
     assert set(r["cpu_cores"]) == {"gateway", "worker0", "worker1", "load-generator"} and r["cpu_cores"]["gateway"] > 0
     assert r["stage_ms"]["compute"] > 0 and r["failed_requests"] == 0
     # the model of the all-to-all volume is what the transport counted (payload bytes)
