@@ -104,6 +104,8 @@ class WorkerPool:
         r = self.rollout.tick(now)
         d = self.rounds.next_deadline()
         due = [x for x in (t, r, d) if x is not None]
+        if self.rounds.has_stalling(now):  # a stalled round stops holding the batcher: look again soon
+            due.append(now + 0.05)
         if self.on_round is not None:
             for rnd in self.rounds.take_settled():
                 self.on_round(rnd.stats)
@@ -121,6 +123,11 @@ class WorkerPool:
     @property
     def in_flight(self) -> int:
         return self.rounds.in_flight
+
+    @property
+    def pipelined(self) -> int:
+        """Rounds that count against the batcher's in-flight limit (see RoundBook.pipelined)."""
+        return self.rounds.pipelined()
 
     def hosts(self, expert: int) -> list[int]:
         return self.rounds.hosts(expert)
