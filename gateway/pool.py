@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from gateway.rollout import Rollout
+from gateway.rollout import ACK_TIMEOUT, Rollout
 from gateway.rounds import BatchStats, Request, RoundBook, WorkerError
 from gateway.router import Router
 from gateway.workers import LayerShape, WorkerLink, WorkerSet
@@ -43,7 +43,8 @@ class WorkerPool:
     def __init__(self, urls: Sequence[str], router: Router, *, dtype: Any = np.float32,
                  max_batch_tokens: int = 1024, timeout: float = 10.0, connect_timeout: float = 10.0,
                  nslots: int = 8, split_replicas: bool = True, min_split: int = 16,
-                 secret: Any = secrets.FIND, loop: Optional[ServeLoop] = None) -> None:
+                 secret: Any = secrets.FIND, loop: Optional[ServeLoop] = None,
+                 ack_timeout: float = ACK_TIMEOUT) -> None:
         secret = secrets.for_client(secret)
         self.router = router
         self.dtype = np.dtype(dtype)
@@ -59,7 +60,7 @@ class WorkerPool:
         next_id = lambda: next(ids)  # noqa: E731  (rounds and control requests share it)
         self.workers = WorkerSet(urls, LayerShape(self.d_model, self.dtype, self.max_rows, self.n_experts),
                                  nslots=nslots, timeout=timeout, secret=secret, post=self.loop.call_soon_threadsafe)
-        self.rollout = Rollout(self.workers, self.n_experts, next_id=next_id)
+        self.rollout = Rollout(self.workers, self.n_experts, next_id=next_id, ack_timeout=ack_timeout)
         self.rounds = RoundBook(self.workers, router, dtype=self.dtype, max_batch_tokens=self.max_batch_tokens,
                                 timeout=timeout, split_replicas=split_replicas, min_split=min_split,
                                 decide_pins=self.rollout.decide, next_id=next_id)
