@@ -190,6 +190,7 @@ class Client:
                 continue
             except transport.ConnectionClosed:
                 self.tally.add(Outcome(t0, time.monotonic(), "lost", experts, source))
+                log(f"{source} request {rid}: the gateway closed the connection before answering")
                 raise
             with msg:
                 h = msg.header
@@ -804,6 +805,8 @@ class Run:
             only = set(ev["experts"]) - set(self.cluster.placement[1 - ev["worker"]])
             windows.append((ev["t_signal"] + self.t0 - 0.05, end + self.t0 + 0.5, only))
         unexpected, fail_lat = [], []
+        lost = [{"t": o.t_sent - self.t0, "waited_s": o.t_done - o.t_sent, "experts": list(o.experts),
+                 "source": o.source} for o in chaos if o.result == "lost"]
         for o in chaos:
             if not o.result.startswith("error:"):
                 continue
@@ -822,7 +825,7 @@ class Run:
                          "failed_by_code": errors, "wrong": counts.get("wrong", 0), "lost": counts.get("lost", 0),
                          "duplicated": self.tally.duplicated, "late": self.tally.late,
                          "send_failed": self.tally.send_failed, "unexpected_failures": len(unexpected),
-                         "unexpected_examples": unexpected[:10],
+                         "unexpected_examples": unexpected[:10], "lost_examples": lost[:10],
                          "by_source": dict(collections.Counter(o.source for o in chaos))},
             "warmup_requests": {"sent": len(warm), "ok": sum(o.result == "ok" for o in warm)},
             "failure_latency_s": {"max": max(fail_lat) if fail_lat else None,
