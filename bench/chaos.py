@@ -684,7 +684,7 @@ class Run:
         probes = [self.layer.steered(set(self.cluster.placement[i]) - set(self.cluster.placement[1 - i]) or
                                      set(self.cluster.placement[i]), seed=i) for i in range(2)]
         while time.monotonic() < end and not self.stop.is_set():
-            time.sleep(rng.uniform(*self.args.gap))
+            time.sleep(max(0.0, min(rng.uniform(*self.args.gap), end - time.monotonic())))
             if time.monotonic() >= end:
                 break
             i = rng.randrange(2)

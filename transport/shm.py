@@ -275,7 +275,9 @@ class ShmConnection(Connection):
         if self._in.ready():
             return True
         self._clear_bell()  # a stale ring would make the fd readable with nothing to read
-        return False
+        # look again: a record pushed after the first look may have rung the bell we just
+        # cleared (the sender rings after pushing), and nobody would announce it again
+        return self._in.ready()
 
     def send_ready(self) -> bool:
         if not self._usable:
