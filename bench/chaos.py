@@ -769,12 +769,12 @@ class Run:
             while time.monotonic() - t < 30 and not all(self._healthy(i, None) for i in range(2)):
                 time.sleep(0.1)
             time.sleep(2.0)
+            bg_results = [h.close() for h in hostile]
+            time.sleep(1.0)
+            report["end"] = self.resources()  # as at the baseline: clients on, background paused
             self.stop.set()
             for t in self.threads:
                 t.join(a.deadline + 10)
-            bg_results = [h.close() for h in hostile]
-            time.sleep(1.0)
-            report["end"] = self.resources()
             report["chaos_s"] = chaos_s
             report["hostile_background"] = {"requested": [c for _, c in targets_bg], "results": bg_results}
             pong = self._ping()
