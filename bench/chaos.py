@@ -306,7 +306,20 @@ class Hostile:
                 return False
             except transport.TransportError:
                 return True
-        # non-reader: one more request each pass, never a read
+        # non-reader: one more request each pass, never a read; dropped = its socket says
+        # so (peeked, nothing consumed), since a dropped connection is simply never send_ready
+        sock = getattr(c, "sock", None) or getattr(c, "_sock", None)
+        if sock is not None:
+            try:
+                if sock.family != socket.AF_UNIX:  # unread replies hide a reset from recv: ask TCP
+                    if sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] in (7, 8):  # CLOSE(_WAIT)
+                        return True
+                elif sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    return True
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                return True
         try:
             if c.send_ready():
                 slot = c.alloc(8 * D_MODEL * 4, timeout=0)
