@@ -550,6 +550,17 @@ class Run:
         self.events: list[dict] = []  # the chaos timeline
         self.threads: list[threading.Thread] = []
         self.t0 = time.monotonic()
+        self.churn_pause, self.churn_idle = threading.Event(), threading.Event()
+
+    def _settled_resources(self) -> dict:
+        """Resources with the churn paused (its clients come and go: a descriptor or two)."""
+        self.churn_pause.set()
+        self.churn_idle.wait(self.args.deadline + 5)
+        time.sleep(0.5)
+        try:
+            return self.resources()
+        finally:
+            self.churn_pause.clear()
 
     # -- clients ---------------------------------------------------------------------------
     def _steady(self, idx: int) -> None:
@@ -575,6 +586,11 @@ class Run:
     def _churn(self) -> None:
         rng = random.Random(5)
         while not self.stop.is_set():
+            if self.churn_pause.is_set():  # resources are being measured: no client coming or going
+                self.churn_idle.set()
+                time.sleep(0.05)
+                continue
+            self.churn_idle.clear()
             try:
                 c = Client(self.cluster.url, self.secret, self.tally, self.args.deadline)
             except Exception as e:
@@ -770,7 +786,7 @@ class Run:
             for h in hostile:  # resources are compared with the background paused at both ends
                 h.close()
             time.sleep(1.0)
-            report["baseline"] = self.resources()
+            report["baseline"] = self._settled_resources()
             hostile = [Crowd(url, self.backend, self.secret_file, counts) for url, counts in targets_bg]
             n_before = len(self.tally.outcomes)
             self.t0 = time.monotonic()
@@ -784,7 +800,7 @@ class Run:
             time.sleep(2.0)
             bg_results = [h.close() for h in hostile]
             time.sleep(1.0)
-            report["end"] = self.resources()  # as at the baseline: clients on, background paused
+            report["end"] = self._settled_resources()  # as at the baseline: clients on, background paused
             self.stop.set()
             for t in self.threads:
                 t.join(a.deadline + 10)
