@@ -11,7 +11,7 @@ BACKEND ?= shm
 TORCH_VERSION ?= 2.13.0
 OUT := build
 
-.PHONY: deps run test test-host test-rdma bench bench-micro bench-rdma bench-moe bench-load compose-check clean
+.PHONY: deps run test test-host test-rdma bench bench-micro bench-rdma bench-moe bench-load compose-check secret clean
 
 $(STAMP): setup.cfg pyproject.toml
 	@missing=$$(for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -66,7 +66,13 @@ bench-load: $(STAMP)
 	  --ramp-steps 8 --step-duration 10 --concurrency 32 --warmup 2 --json bench-results/load-ramp.json \
 	  --plot bench-results/load-ramp.png --markdown bench-results/load-ramp.md
 
-compose-check: $(STAMP)
+# the compose deployment's shared secret: made once, readable by its owner only (gitignored)
+secret: deploy/secret
+deploy/secret:
+	@umask 077 && python3 -c "import secrets; print(secrets.token_hex(32))" > $@.tmp && mv $@.tmp $@ \
+	  && echo "created $@ (mode 0600)"
+
+compose-check: $(STAMP) deploy/secret
 	docker-compose -f docker-compose.yml config -q && echo "docker-compose.yml: valid"
 
 bench-micro: $(STAMP)

@@ -13,6 +13,8 @@ SUBCOMMANDS = {
     "transport": ("bench.transport_bench", "transport microbenchmarks vs raw mechanisms"),
     "moe": ("bench.moe_bench", "the distributed MoE layer vs the in-process reference and a multiprocessing peer"),
     "load": ("bench.load", "open-loop load generator (fixed-rate, ramp, mixed) against a moe-gateway"),
+    "chaos": ("bench.chaos", "workers killed and stopped under load, client churn, hostile connections; "
+                             "every answer checked"),
 }
 
 

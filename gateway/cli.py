@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--worker-timeout", type=float, default=10.0,
                      help="a worker's part of a round fails after this many seconds (its requests are "
                           "retried on a replica or fail)")
+    src.add_argument("--update-ack-timeout", type=float, default=30.0,
+                     help="a hot update gives up on a worker that does not acknowledge a load or retire "
+                          "this long (so finishing and rolling back always end), seconds")
     src.add_argument("--connect-timeout", type=float, default=30.0,
                      help="how long the first connection to each worker is retried, seconds")
     moe = p.add_argument_group("MoE layer")
@@ -200,7 +203,8 @@ def serve_main(args) -> int:
             urls = local.urls
         pool = WorkerPool(urls, router, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
                           timeout=args.worker_timeout, connect_timeout=args.connect_timeout,
-                          split_replicas=not args.no_split, secret=secret, balancing=args.balancing)
+                          split_replicas=not args.no_split, secret=secret, balancing=args.balancing,
+                          ack_timeout=args.update_ack_timeout)
         if local is not None:
             local.post = pool.loop.call_soon_threadsafe
             local.on_moved = pool.workers.set_url

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from gateway.rollout import Rollout
+from gateway.rollout import ACK_TIMEOUT, Rollout
 from gateway.rounds import BatchStats, Request, RoundBook, WorkerError
 from gateway.router import Router
 from gateway.workers import LayerShape, WorkerLink, WorkerSet
@@ -44,7 +44,7 @@ class WorkerPool:
                  max_batch_tokens: int = 1024, timeout: float = 10.0, connect_timeout: float = 10.0,
                  nslots: int = 8, split_replicas: bool = True, min_split: int = 16,
                  secret: Any = secrets.FIND, loop: Optional[ServeLoop] = None,
-                 balancing: str = "load-aware") -> None:
+                 balancing: str = "load-aware", ack_timeout: float = ACK_TIMEOUT) -> None:
         secret = secrets.for_client(secret)
         self.router = router
         self.dtype = np.dtype(dtype)
@@ -60,7 +60,7 @@ class WorkerPool:
         next_id = lambda: next(ids)  # noqa: E731  (rounds and control requests share it)
         self.workers = WorkerSet(urls, LayerShape(self.d_model, self.dtype, self.max_rows, self.n_experts),
                                  nslots=nslots, timeout=timeout, secret=secret, post=self.loop.call_soon_threadsafe)
-        self.rollout = Rollout(self.workers, self.n_experts, next_id=next_id)
+        self.rollout = Rollout(self.workers, self.n_experts, next_id=next_id, ack_timeout=ack_timeout)
         self.rounds = RoundBook(self.workers, router, dtype=self.dtype, max_batch_tokens=self.max_batch_tokens,
                                 timeout=timeout, split_replicas=split_replicas, min_split=min_split,
                                 decide_pins=self.rollout.decide, next_id=next_id, balancing=balancing)
@@ -105,6 +105,8 @@ class WorkerPool:
         r = self.rollout.tick(now)
         d = self.rounds.next_deadline()
         due = [x for x in (t, r, d) if x is not None]
+        if self.rounds.has_stalling(now):  # a stalled round stops holding the batcher: look again soon
+            due.append(now + 0.05)
         if self.on_round is not None:
             for rnd in self.rounds.take_settled():
                 self.on_round(rnd.stats)
@@ -122,6 +124,11 @@ class WorkerPool:
     @property
     def in_flight(self) -> int:
         return self.rounds.in_flight
+
+    @property
+    def pipelined(self) -> int:
+        """Rounds that count against the batcher's in-flight limit (see RoundBook.pipelined)."""
+        return self.rounds.pipelined()
 
     def hosts(self, expert: int) -> list[int]:
         return self.rounds.hosts(expert)

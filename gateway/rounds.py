@@ -34,6 +34,10 @@ from workers import protocol as P
 log = logging.getLogger("moe.rounds")
 
 MAX_ATTEMPTS = 2  # a request is tried at most this often (the first round and one retry)
+#: a round older than this whose every missing part is on a worker silent for as long (or not
+#: usable) no longer holds up the next round: a hung worker must not delay requests that do
+#: not need it (its parts still fail at the round's deadline)
+STALLED_AFTER = 0.5
 
 
 class WorkerError(RuntimeError):
@@ -142,6 +146,7 @@ class Round:
         self.stats = BatchStats(requests=len(requests))
         self._t0 = time.perf_counter()
         self.sent_at = self._t0
+        self.started = time.monotonic()
 
     def detach(self, req: Request) -> None:
         for w in req.bases:
@@ -479,6 +484,28 @@ class RoundBook:
     @property
     def in_flight(self) -> int:
         return sum(1 for r in self.rounds.values() if r.outstanding)
+
+    def pipelined(self, now: Optional[float] = None) -> int:
+        """Rounds that count against the batcher's in-flight limit: those with a part still
+        missing, except a round older than STALLED_AFTER whose missing parts are all on
+        workers that are unusable or silent for that long (stopped, hung). Without this, a
+        few requests stuck on a hung worker would hold every other request until the round
+        deadline. New rounds always count, so the limit still paces dispatch."""
+        now = time.monotonic() if now is None else now
+        n = 0
+        for r in self.rounds.values():
+            if not r.outstanding:
+                continue
+            if now - r.started < STALLED_AFTER or any(
+                    self.workers[w].usable and now - self.workers[w].last_heard < STALLED_AFTER
+                    for w in r.outstanding):
+                n += 1
+        return n
+
+    def has_stalling(self, now: float) -> bool:
+        """Whether a round with a missing part is older than STALLED_AFTER (the owner then
+        re-checks :meth:`pipelined` soon: it drops without any event to wake the loop)."""
+        return any(r.outstanding and now - r.started >= STALLED_AFTER for r in self.rounds.values())
 
     def close(self) -> None:
         for rnd in list(self.rounds.values()):

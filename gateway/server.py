@@ -268,11 +268,11 @@ class GatewayServer:
             self._draining_since = now
             self.loop.stop_accepting()
         flush = self._draining_since is not None
-        while self.batcher.due(now, self.pool.in_flight, flush=flush):
+        while self.batcher.due(now, self.pool.pipelined, flush=flush):
             self.pool.dispatch(self.batcher.take(now))
         for req in self.pool.take_finished():
             self._finish(req)
-        return self.batcher.next_due(self.pool.in_flight)
+        return self.batcher.next_due(self.pool.pipelined)
 
     def _round_done(self, st: BatchStats) -> None:
         self.stats.add_round(st)

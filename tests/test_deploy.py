@@ -1,15 +1,19 @@
 """The deployment files: docker-compose.yml validates, and the very commands its worker and
-gateway services run serve a forward pass when started as plain processes on loopback,
-where their compose healthchecks pass; the Dockerfile is pinned, non-root, installs its
-dependencies before copying the source, and its HEALTHCHECK works against a live service;
-Prometheus' config passes promtool and scrapes the metrics port everything uses; the
-Grafana dashboard picks its data source by variable and every expression passes promtool."""
+gateway services run serve a forward pass when started as plain processes on loopback (the
+compose secret's /run/secrets path replaced by a temporary 0600 file), where their compose
+healthchecks pass; the shared secret is passed as a compose secret, never on a command line;
+`make secret` creates it 0600; the Dockerfile is pinned, non-root, installs its dependencies
+before copying the source, and its HEALTHCHECK works against a live service; Prometheus'
+config passes promtool and scrapes the metrics port everything uses; the Grafana dashboard
+picks its data source by variable and every expression passes promtool."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +75,38 @@ def test_compose_config_validates():
     assert r.returncode == 0, r.stderr
 
 
+SECRET_IN_CONTAINER = "/run/secrets/moe_secret"
+
+
+def test_the_secret_is_a_compose_secret_never_a_command_line():
+    doc = load_yaml(COMPOSE)
+    assert doc["secrets"]["moe_secret"]["file"] == "./deploy/secret"
+    assert "deploy/secret" in (ROOT / ".gitignore").read_text().split()
+    moe = {n: s for n, s in doc["services"].items() if s.get("command", [""])[0] in ("moe-worker", "moe-gateway")}
+    assert len(moe) == 3
+    for name, svc in moe.items():
+        assert "moe_secret" in svc["secrets"], name
+        cmd = svc["command"]
+        assert _flag(cmd, "--secret-file") == SECRET_IN_CONTAINER, name
+        assert "--insecure" not in cmd, name
+        assert not any(k.startswith("MOE_SECRET") and k != "MOE_SECRET_FILE" for k in svc.get("environment", {}))
+
+
+def test_make_secret_creates_a_private_file_once(tmp_path):
+    if not shutil.which("make"):
+        pytest.fail("make is not installed")
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    (tmp_path / "deploy").mkdir()
+    r = subprocess.run(["make", "-s", "-C", str(tmp_path), "secret"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    path = tmp_path / "deploy" / "secret"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    first = path.read_text().strip()
+    assert len(first) == 64 and int(first, 16) >= 0
+    r = subprocess.run(["make", "-s", "-C", str(tmp_path), "secret"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and path.read_text().strip() == first  # made if missing, never replaced
+
+
 def _local(cmd: list[str], subst: dict[str, str], metrics_port: int = 0) -> list[str]:
     mods = {"moe-worker": "workers.cli", "moe-gateway": "gateway.cli"}
     out = [sys.executable, "-m", mods[cmd[0]]]
@@ -85,6 +121,8 @@ def _local(cmd: list[str], subst: dict[str, str], metrics_port: int = 0) -> list
             a = "127.0.0.1"
         elif prev == "--workers":
             a = ",".join(subst.get(u, u) for u in a.split(","))
+        elif prev == "--secret-file":
+            a = subst.get(a, a)
         out.append(a)
     return out
 
@@ -102,35 +140,41 @@ def healthcheck(test: list[str], port: int) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=30)
 
 
-def test_compose_services_run_as_plain_processes():
+def test_compose_services_run_as_plain_processes(tmp_path):
     from gateway.reference import ReferenceMoE
 
+    # a secret of its own (not the test session's): the services must take it from --secret-file
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(os.urandom(16).hex() + "\n")
+    secret_file.chmod(0o600)
     svc = load_yaml(COMPOSE)["services"]
     workers = sorted(n for n, s in svc.items() if s.get("command", [""])[0] == "moe-worker")
     assert len(workers) == 2
     gw_cmd = svc["gateway"]["command"]
     assert gw_cmd[0] == "moe-gateway"
     with Services() as services:
-        subst = {}
+        subst = {SECRET_IN_CONTAINER: str(secret_file)}
         for name in workers:
             cmd = svc[name]["command"]
             assert _flag(cmd, "--metrics-port") == str(METRICS_PORT)
             port = _flag(cmd, "--listen").rsplit(":", 1)[1]
             mport = free_port()
-            w = services.start(_local(cmd, {}, mport))
+            w = services.start(_local(cmd, subst, mport))
             assert w.url.startswith("tcp://127.0.0.1:")
             subst[f"tcp://{name}:{port}"] = w.url
             r = healthcheck(svc[name]["healthcheck"]["test"], mport)  # the compose check, on the live worker
             assert r.returncode == 0, (name, r.stderr)
         expected = _flag(gw_cmd, "--workers").split(",")
-        assert set(expected) == set(subst), (expected, subst)
+        assert set(expected) == set(subst) - {SECRET_IN_CONTAINER}, (expected, subst)
         gport = free_port()
         gw = services.start(_local(gw_cmd, subst, gport))
         r = healthcheck(svc["gateway"]["healthcheck"]["test"], gport)
         assert r.returncode == 0, r.stderr
         d = int(_flag(gw_cmd, "--d-model"))
         x = np.random.default_rng(0).standard_normal((16, d)).astype(np.float32)
-        with GatewayClient(gw.url, timeout=30.0) as cl:
+        with pytest.raises(Exception):  # the session's secret is not this deployment's
+            GatewayClient(gw.url, timeout=10.0).forward(x)
+        with GatewayClient(gw.url, timeout=30.0, secret_file=str(secret_file)) as cl:
             y = cl.forward(x, timeout=30.0)
         assert y.shape == x.shape and np.isfinite(y).all()
         ref = ReferenceMoE.from_seed(d, int(_flag(gw_cmd, "--d-ff")), int(_flag(gw_cmd, "--n-experts")),

@@ -190,6 +190,7 @@ class ServeLoop:
         if served is None:
             _release(buffers)
             return False
+        self._poller.mark(conn)  # sending may read ahead a message the fd will not announce
         if not served.outbox and conn.send_ready():
             try:
                 # timeout 0: what the kernel does not take at once stays with the connection
@@ -216,6 +217,7 @@ class ServeLoop:
         served = self._served.get(conn)
         if served is None:
             return False
+        self._poller.mark(conn)
         slot = None
         if not served.outbox:
             try:
@@ -251,6 +253,7 @@ class ServeLoop:
                 self._held.discard(conn)
                 continue
             box = served.outbox
+            self._poller.mark(conn)
             try:
                 if conn.wants_write():
                     conn.flush()
@@ -436,7 +439,7 @@ class ServeLoop:
         self._served[conn] = served
         site.served.add(conn)
         self.stats.open = len(self._served)
-        self._poller.register(conn, ("served", served))
+        self._poller.register(conn, ("served", served), lazy=True)  # pending() asked only when used
         if site.on_open is not None:
             site.on_open(conn)
         if conn.pending():  # messages that came with the handshake: the fd may stay quiet
