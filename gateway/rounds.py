@@ -390,7 +390,8 @@ class RoundBook:
         w.rows_sent += rows
         w.batches_sent += 1
         for g in groups:
-            w.expert_rows[g[0]] = w.expert_rows.get(g[0], 0) + g[2]
+            key = (rnd.layer, g[0])
+            w.expert_rows[key] = w.expert_rows.get(key, 0) + g[2]
         return None
 
     # -- replies and failures ------------------------------------------------------------------

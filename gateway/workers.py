@@ -132,7 +132,7 @@ class WorkerLink:
     failures: int = 0
     reconnects: int = 0
     compute_seconds: float = 0.0
-    expert_rows: dict = field(default_factory=dict)  # expert_id -> rows sent
+    expert_rows: dict = field(default_factory=dict)  # (layer, expert_id) -> rows sent
     cpu_s: float = 0.0  # the worker process's CPU seconds, as its last reply said
     pid: Optional[int] = None
     last_heard: float = 0.0
@@ -179,7 +179,7 @@ class WorkerLink:
                 "layers": [[L, sorted(ids)] for L, ids in sorted(self.layers.items())], "kernel": dict(self.kernel),
                 "versions": [P.with_layer([e, v, sorted(self.held.get((L, e), {v}))], L)
                              for (L, e), v in sorted(self.versions.items())],
-                "expert_rows": [[e, n] for e, n in sorted(self.expert_rows.items())],
+                "expert_rows": [P.with_layer([e, n], L) for (L, e), n in sorted(self.expert_rows.items())],
                 "transport": self.conn.stats.as_dict() if self.conn is not None else {}}
 
 
