@@ -58,6 +58,7 @@ class WorkerStats:
     experts: dict = field(default_factory=dict)  # (layer, expert_id) -> ExpertCounters
     requests: int = 0
     batches: int = 0
+    serve_seconds: float = 0.0  # forward batches, from the message handed to us to its reply sent
     errors: dict = field(default_factory=dict)  # error code -> count
     connections_accepted: int = 0
     connections_open: int = 0
@@ -66,7 +67,8 @@ class WorkerStats:
         self.errors[code] = self.errors.get(code, 0) + 1
 
     def as_dict(self) -> dict:
-        return {"requests": self.requests, "batches": self.batches, "errors": dict(self.errors),
+        return {"requests": self.requests, "batches": self.batches, "serve_seconds": self.serve_seconds,
+                "errors": dict(self.errors),
                 "connections_accepted": self.connections_accepted,
                 "connections_open": self.connections_open,
                 "experts": [P.with_layer([e, c.as_dict()], L) for (L, e), c in sorted(self.experts.items())]}
@@ -245,6 +247,7 @@ class WorkerDaemon:
         self.loop.send(conn, P.error_reply(rid, code, message))
 
     def _forward(self, conn, msg) -> None:
+        t_in = time.perf_counter()
         self.in_flight += 1
         try:
             batch = P.parse_forward(msg.header, [b.nbytes for b in msg.buffers], dtype=self.dtype,
@@ -288,6 +291,7 @@ class WorkerDaemon:
 
             self.loop.reply(conn, batch.nbytes, compute)
             self.stats.batches += 1
+            self.stats.serve_seconds += time.perf_counter() - t_in
         finally:
             msg.release()
             self.in_flight -= 1
