@@ -186,3 +186,25 @@ def test_pool_over_daemons_equals_checkpoint_moe(ckpt, wire, shared_secret):
         assert all(rows[(L, 4)] >= 40 for L in (1, 2))  # the shared piece saw every token
     finally:
         ds.close()
+
+
+def test_kernels_sharing_scratch_compute_what_they_compute_alone():
+    """A worker's kernels share one set of intermediates (workers.kernels.Scratch): the
+    outputs are the unshared kernels', and the arena holds one set, not one per kernel."""
+    from workers.kernels import Scratch, make_kernel
+    rng = np.random.default_rng(2)
+    ws = [[rng.standard_normal(s).astype(np.float32) for s in ((24, D), (24, D), (D, 24))] for _ in range(3)]
+    arena = Scratch()
+    shared = [make_kernel("numpy", *w, max_tokens=32, scratch=arena) for w in ws]
+    alone = [make_kernel("numpy", *w, max_tokens=32) for w in ws]
+    one_set = arena.nbytes
+    assert one_set > 0 and all(not hasattr(k, "_h") for k in shared)
+    for wire in (np.float32, U16):
+        x = rng.standard_normal((20, D)).astype(np.float32)
+        x = bf16.from_float32(x) if wire == U16 else x
+        for a, b in zip(shared, alone):
+            ya, yb = a.forward(x, np.empty(x.shape, wire)), b.forward(x, np.empty(x.shape, wire))
+            assert np.array_equal(ya, yb)
+    big = rng.standard_normal((50, D)).astype(np.float32)  # more rows than reserved: grows once
+    assert np.array_equal(shared[0].forward(big, np.empty_like(big)), alone[0].forward(big, np.empty_like(big)))
+    assert arena.nbytes > one_set

@@ -31,7 +31,11 @@ from typing import Any, Iterable, Mapping, Optional
 import numpy as np
 
 from workers import bf16
-from workers.kernels import KINDS, Kernel, make_kernel, torch_compute_dtype
+from workers.kernels import KINDS, Kernel, Scratch, make_kernel, torch_compute_dtype
+
+# One per worker process: its serve loop runs one expert at a time, so every kernel it holds
+# (every layer's, and hot-update versions) shares one set of intermediates.
+WORKER_SCRATCH = Scratch()
 
 __all__ = ["KernelExpert", "compute_dtype", "checkpoint_experts", "demo_experts", "build_version", "Served"]
 
@@ -123,7 +127,7 @@ def checkpoint_experts(path: str, layers: Optional[Iterable[int]], ids: Optional
             raise ValueError(f"layer {L} has expert ids 0..{spec.n_ids - 1} ({spec.n_experts} routed + "
                              f"{spec.n_shared} shared pieces), not {bad}")
         for e, k in load_expert_kernels(ckpt, spec, want, kind=kind, dtype=cdt, max_tokens=max_tokens,
-                                        threads=threads).items():
+                                        threads=threads, scratch=WORKER_SCRATCH).items():
             experts[(L, e)] = KernelExpert(k, e, L, wdt)
         fps[L] = layer_fingerprint(ckpt, spec)
     return Served(experts, fps, checkpoint_fingerprint(ckpt), ckpt.path)
@@ -154,7 +158,7 @@ def _as_kernel(kind: str, wire: str) -> bool:
 def _wrap(ex: Any, kind: str, wire: str, max_tokens: int, threads: Optional[int], layer: int = 0) -> KernelExpert:
     """A SwiGLUExpert's weights ((d_model, d_ff) orientation) in a kernel ((d_ff, d_model))."""
     k = make_kernel(kind, ex.w_gate.T, ex.w_up.T, ex.w_down.T, dtype=compute_dtype(kind, wire),
-                    max_tokens=max_tokens, threads=threads)
+                    max_tokens=max_tokens, threads=threads, scratch=WORKER_SCRATCH)
     return KernelExpert(k, ex.expert_id, layer, bf16.wire_dtype(wire), ex.version)
 
 
@@ -205,7 +209,7 @@ def _from_checkpoint(req: Any, path: Optional[str], ref: Any, max_tokens: int) -
         raise ValueError(f"layer {req.layer} expert {req.expert} of {ckpt.path} is ({spec.d_model}, "
                          f"{spec.expert_d_ff(req.expert)}), this worker serves ({ref.d_model}, {ref.d_ff})")
     k = load_expert_kernels(ckpt, spec, [req.expert], kind=ref.kernel.kind, dtype=ref.kernel.describe()["dtype"],
-                            max_tokens=max_tokens, threads=None)[req.expert]
+                            max_tokens=max_tokens, threads=None, scratch=WORKER_SCRATCH)[req.expert]
     return KernelExpert(k, req.expert, req.layer, ref.wire, req.version)
 
 
