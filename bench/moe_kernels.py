@@ -251,6 +251,10 @@ def _measure(B, args, router, owner, systems, layers, direct, name_np, name_ours
     xs32 = [rng.standard_normal((B, d)).astype(np.float32) for _ in range(args.batches)]
     xw = [bf16.from_float32(x, out=np.empty(x.shape, bf16.wire_dtype("bfloat16"))) if wire == "bfloat16"
           else x for x in xs32]
+    # every system gets the same values (the float32 one the bf16 values, widened), so every
+    # system routes every token alike: a near tie decided differently would move a token
+    # to another expert, which is neither a speed nor a precision difference
+    xs32 = [bf16.to_float32(x) if bf16.is_bf16(x.dtype) else x for x in xw]
     inputs = {"multiprocessing": xw, name_np: xs32, name_ours: xw}
     W = max(owner) + 1
     # every system computes the same layer (bf16 within bf16 tolerance of the float32 one)

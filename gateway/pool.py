@@ -166,6 +166,8 @@ class WorkerPool:
         """The MoE layer ``layer`` on ``x`` (T, d_model): returns (y, per-stage stats). Raises
         WorkerError (or NoHealthyWorker) when the workers fail this batch; never hangs."""
         x = np.asarray(x)
+        if x.dtype != self.dtype and P.dtype_name(x.dtype) == P.dtype_name(self.dtype):
+            x = x.view(self.dtype)  # bf16 as uint16 bits or as ml_dtypes.bfloat16: the same bytes
         if out is None:
             out = np.empty(x.shape, dtype=self.dtype)
         elif out.shape != x.shape or out.dtype != self.dtype:

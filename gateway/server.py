@@ -196,7 +196,7 @@ class GatewayServer:
             self.stats.requests += 1
             pool = self.pool
             batch = P.parse_forward(msg.header, [b.nbytes for b in msg.buffers], dtype=pool.dtype,
-                                    d_model=pool.d_model, max_rows=self.max_batch_tokens, layers=pool.routers)
+                                    d_model=pool.d_model, max_rows=self.max_batch_tokens, layers=pool.routers.keys())
             if batch.nbytes > conn.max_message:
                 raise P.RequestError(P.OVERSIZED, f"the reply ({batch.nbytes} bytes) exceeds this connection's "
                                                   f"slot size ({conn.max_message}); connect with a larger slot_size")

@@ -208,3 +208,13 @@ def test_kernels_sharing_scratch_compute_what_they_compute_alone():
     big = rng.standard_normal((50, D)).astype(np.float32)  # more rows than reserved: grows once
     assert np.array_equal(shared[0].forward(big, np.empty_like(big)), alone[0].forward(big, np.empty_like(big)))
     assert arena.nbytes > one_set
+
+
+def test_scratch_buffers_are_64_byte_aligned():
+    """oneDNN runs ~30% slower into 16-byte-aligned buffers (numpy's large arrays); torch's
+    own tensors are 64-byte aligned, and so is the shared scratch."""
+    from workers.kernels import Scratch
+    s = Scratch()
+    for i, n in enumerate((10, 4096, 1 << 20, 3 * (1 << 20) + 7)):
+        assert s.raw(("k", i), n).ctypes.data % 64 == 0
+    assert s.array("a", (5, 7), np.float32).ctypes.data % 64 == 0

@@ -67,10 +67,14 @@ class Scratch:
     def __init__(self) -> None:
         self._bufs: dict = {}
 
+    ALIGN = 64  # what torch's CPU allocator gives its tensors (numpy's large arrays: 16)
+
     def reserve(self, key: Any, nbytes: int) -> None:
         buf = self._bufs.get(key)
         if buf is None or buf.nbytes < nbytes:
-            self._bufs[key] = np.empty(max(1, int(nbytes)), np.uint8)
+            raw = np.empty(max(1, int(nbytes)) + self.ALIGN, np.uint8)
+            off = -raw.ctypes.data % self.ALIGN
+            self._bufs[key] = raw[off:off + max(1, int(nbytes))]
 
     def raw(self, key: Any, nbytes: int) -> np.ndarray:
         """The first ``nbytes`` of buffer ``key`` (uint8)."""
