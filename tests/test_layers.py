@@ -148,6 +148,9 @@ def test_pool_over_daemons_equals_checkpoint_moe(ckpt, wire, shared_secret):
     assert sorted(layers) == [1, 2]
     dt = bf16.wire_dtype(wire)
     ds = Daemons(ckpt, placement(4, 2, 1, 1), wire, shared_secret)
+    # each daemon's kernels share one scratch; two daemons (two serve loops) never share one
+    assert [len({id(ex.scratch) for ex in d.experts.values()}) for d in ds.daemons] == [1, 1]
+    assert len({id(next(iter(d.experts.values())).scratch) for d in ds.daemons}) == 2
     try:
         with WorkerPool(ds.urls, {L: g.router for L, g in layers.items()}, dtype=wire, max_batch_tokens=64,
                         secret=shared_secret, fingerprints={L: g.fingerprint for L, g in layers.items()}) as pool:

@@ -15,6 +15,10 @@ Also the builders of hot-update versions (:func:`build_version`): the same kind 
 as the expert it replaces, from a seed, an .npz, or a checkpoint layer (whose fingerprint
 must be the one the gateway computed).
 
+The experts of one call (one worker: one serve loop, one expert at a time) share one set of
+intermediates (``workers.kernels.Scratch``), and so do the hot-update versions built for them;
+two workers in one process (tests) each have their own.
+
 Where dtype conversions happen (the only copies besides the kernel's own scratch): a bf16
 wire with a float32 compute dtype (the numpy kernel always; the torch kernel on CPUs
 without bf16 matrix units, see ``workers.kernels.torch_compute_dtype``) converts the
@@ -33,10 +37,6 @@ import numpy as np
 from workers import bf16
 from workers.kernels import KINDS, Kernel, Scratch, make_kernel, torch_compute_dtype
 
-# One per worker process: its serve loop runs one expert at a time, so every kernel it holds
-# (every layer's, and hot-update versions) shares one set of intermediates.
-WORKER_SCRATCH = Scratch()
-
 __all__ = ["KernelExpert", "compute_dtype", "checkpoint_experts", "demo_experts", "build_version", "Served"]
 
 WIRE_DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -51,6 +51,7 @@ class KernelExpert:
     layer: int
     wire: np.dtype  # activations in and out (numpy representation, bf16 via workers.bf16)
     version: int = 0
+    scratch: Optional[Scratch] = None  # shared with the worker's other kernels
 
     @property
     def d_model(self) -> int:
@@ -109,7 +110,7 @@ def checkpoint_experts(path: str, layers: Optional[Iterable[int]], ids: Optional
                        kind: str = "numpy", wire: str = "float32", max_tokens: int = 256,
                        threads: Optional[int] = 1) -> Served:
     """Expert ids ``ids`` (default: every id, shared pieces included) of MoE layers
-    ``layers`` (default: all) of the checkpoint at ``path``."""
+    ``layers`` (default: all) of the checkpoint at ``path``, sharing one scratch."""
     from workers.checkpoint import Checkpoint, checkpoint_fingerprint, layer_fingerprint, model_spec
     from workers.layer_experts import load_expert_kernels
 
@@ -118,6 +119,7 @@ def checkpoint_experts(path: str, layers: Optional[Iterable[int]], ids: Optional
     wanted = ms.moe_layers if layers is None else [int(L) for L in layers]
     cdt = compute_dtype(kind, wire)
     wdt = bf16.wire_dtype(wire)
+    scratch = Scratch()
     experts, fps = {}, {}
     for L in wanted:
         spec = ms.layer(L)  # CheckpointError naming the MoE layers for a dense or absent one
@@ -127,8 +129,8 @@ def checkpoint_experts(path: str, layers: Optional[Iterable[int]], ids: Optional
             raise ValueError(f"layer {L} has expert ids 0..{spec.n_ids - 1} ({spec.n_experts} routed + "
                              f"{spec.n_shared} shared pieces), not {bad}")
         for e, k in load_expert_kernels(ckpt, spec, want, kind=kind, dtype=cdt, max_tokens=max_tokens,
-                                        threads=threads, scratch=WORKER_SCRATCH).items():
-            experts[(L, e)] = KernelExpert(k, e, L, wdt)
+                                        threads=threads, scratch=scratch).items():
+            experts[(L, e)] = KernelExpert(k, e, L, wdt, scratch=scratch)
         fps[L] = layer_fingerprint(ckpt, spec)
     return Served(experts, fps, checkpoint_fingerprint(ckpt), ckpt.path)
 
@@ -140,6 +142,7 @@ def demo_experts(ids: Iterable[int], *, d_model: int, d_ff: int, seed: int = 0, 
     from workers.expert import SwiGLUExpert
 
     out = {}
+    scratch = Scratch()
     for e in ids:
         if weights:
             ex = SwiGLUExpert.from_npz(weights, e, max_tokens=0 if _as_kernel(kind, wire) else max_tokens,
@@ -147,7 +150,7 @@ def demo_experts(ids: Iterable[int], *, d_model: int, d_ff: int, seed: int = 0, 
         else:
             ex = SwiGLUExpert.from_seed(e, d_model, d_ff, seed=seed, max_tokens=0 if _as_kernel(kind, wire)
                                         else max_tokens, dtype=np.float32 if _as_kernel(kind, wire) else wire)
-        out[(0, e)] = _wrap(ex, kind, wire, max_tokens, threads) if _as_kernel(kind, wire) else ex
+        out[(0, e)] = _wrap(ex, kind, wire, max_tokens, threads, scratch) if _as_kernel(kind, wire) else ex
     return Served(out, {0: None})
 
 
@@ -155,11 +158,12 @@ def _as_kernel(kind: str, wire: str) -> bool:
     return kind != "numpy" or wire not in ("float32", "float64")
 
 
-def _wrap(ex: Any, kind: str, wire: str, max_tokens: int, threads: Optional[int], layer: int = 0) -> KernelExpert:
+def _wrap(ex: Any, kind: str, wire: str, max_tokens: int, threads: Optional[int], scratch: Optional[Scratch],
+          layer: int = 0) -> KernelExpert:
     """A SwiGLUExpert's weights ((d_model, d_ff) orientation) in a kernel ((d_ff, d_model))."""
     k = make_kernel(kind, ex.w_gate.T, ex.w_up.T, ex.w_down.T, dtype=compute_dtype(kind, wire),
-                    max_tokens=max_tokens, threads=threads, scratch=WORKER_SCRATCH)
-    return KernelExpert(k, ex.expert_id, layer, bf16.wire_dtype(wire), ex.version)
+                    max_tokens=max_tokens, threads=threads, scratch=scratch)
+    return KernelExpert(k, ex.expert_id, layer, bf16.wire_dtype(wire), ex.version, scratch)
 
 
 # -- hot-update versions ---------------------------------------------------------------------
@@ -186,7 +190,7 @@ def build_version(req: Any, path: Optional[str], ref: Any, *, max_tokens: int) -
             raise ValueError(f"weights are ({ex.d_model}, {ex.d_ff}), this worker serves "
                              f"({ref.d_model}, {ref.d_ff})")
         if as_kernel:
-            ex = _wrap(ex, ref.kernel.kind, wire, max_tokens, None, layer=ref.layer)
+            ex = _wrap(ex, ref.kernel.kind, wire, max_tokens, None, ref.scratch, layer=ref.layer)
     ex.version = req.version
     return ex
 
@@ -209,8 +213,8 @@ def _from_checkpoint(req: Any, path: Optional[str], ref: Any, max_tokens: int) -
         raise ValueError(f"layer {req.layer} expert {req.expert} of {ckpt.path} is ({spec.d_model}, "
                          f"{spec.expert_d_ff(req.expert)}), this worker serves ({ref.d_model}, {ref.d_ff})")
     k = load_expert_kernels(ckpt, spec, [req.expert], kind=ref.kernel.kind, dtype=ref.kernel.describe()["dtype"],
-                            max_tokens=max_tokens, threads=None, scratch=WORKER_SCRATCH)[req.expert]
-    return KernelExpert(k, req.expert, req.layer, ref.wire, req.version)
+                            max_tokens=max_tokens, threads=None, scratch=ref.scratch)[req.expert]
+    return KernelExpert(k, req.expert, req.layer, ref.wire, req.version, ref.scratch)
 
 
 def layer_table(experts: Mapping) -> dict:
