@@ -131,9 +131,12 @@ def _mp_worker(conn, experts, d, dff, seed, compute, wire, max_rows) -> None:
             return
         n = conn.recv_bytes_into(buf) // (dt.itemsize * d)
         x = np.frombuffer(buf, dt, n * d).reshape(n, d)
+        t0 = time.perf_counter()
         for e, start, count in groups:
             ks[e].forward(x[start:start + count], out[start:start + count])
+        kernel_s = time.perf_counter() - t0
         conn.send_bytes(_bits(out[:n]))
+        conn.send(kernel_s)  # the control: the same kernel, two processes computing at once
 
 
 class MultiprocessingKernels:
@@ -155,6 +158,8 @@ class MultiprocessingKernels:
             self.conns.append(a)
             self.procs.append(p)
         self.n = n_workers
+        self.rows = [0] * n_workers
+        self.kernel_s = [0.0] * n_workers
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         r = self.router.route(x)
@@ -168,6 +173,8 @@ class MultiprocessingKernels:
             if not self.conns[w].poll(120):
                 raise TimeoutError("multiprocessing worker did not answer")
             outs[w] = np.frombuffer(self.conns[w].recv_bytes(), self.dt).reshape(-1, x.shape[1])
+            self.kernel_s[w] += self.conns[w].recv()
+            self.rows[w] += outs[w].shape[0]
         return plan.combine(outs, np.empty_like(x))
 
     def close(self) -> None:
@@ -282,6 +289,8 @@ def _measure(B, args, router, owner, systems, layers, direct, name_np, name_ours
                     direct[e].forward(xd[:n], yd[:n])
     lat: dict = {k: [] for k in ["direct", "torch-layer-1t", "torch-layer-2t", *systems]}
     per_worker = {"rows": [0] * W, "serve_s": [0.0] * W, "compute_s": [0.0] * W, "direct_s": [0.0] * W}
+    mp_peer = systems["multiprocessing"]
+    mp0 = (list(mp_peer.rows), list(mp_peer.kernel_s))
     stages: list = []
     for r in range(args.rounds):
         for name, sys_ in systems.items():
@@ -319,6 +328,8 @@ def _measure(B, args, router, owner, systems, layers, direct, name_np, name_ours
         print(f"  {B} tokens, round {r + 1}/{args.rounds}: " + ", ".join(
             f"{n} {B * args.batches / sum(v[-args.batches:]):.0f} tok/s" for n, v in lat.items()), flush=True)
     # the direct figure ran once per batch per round, as ours did: same rows
+    per_worker["mp_rows"] = [a - b for a, b in zip(mp_peer.rows, mp0[0])]
+    per_worker["mp_kernel_s"] = [a - b for a, b in zip(mp_peer.kernel_s, mp0[1])]
     return {"lat": lat, "per_worker": per_worker, "stages": stages, "flop_row": FLOPS_PER_ROW * d * dff}
 
 
@@ -335,20 +346,24 @@ def _report(results, args, config, compute, wire, cdt, bf16_units, name_np, name
         for n in tps:
             print(f"{n:<32} {tps[n]:9.0f} {p50[n]:8.1f}")
         pw, fr = res["per_worker"], res["flop_row"]
-        print(f"\nper worker of {name_ours}: GFLOP/s over receive->reply-sent, over its kernel calls, and the "
-              f"direct call on the same token counts")
+        print(f"\nper worker of {name_ours}: GFLOP/s over receive->reply-sent (serve) and over its kernel calls; "
+              f"the direct call alone on the same token counts; the same kernel in the multiprocessing peer's "
+              f"worker (two processes computing at once, as ours)")
         print(f"{'worker':<7} {'rows':>8} {'serve GF/s':>10} {'kernel GF/s':>11} {'direct GF/s':>11} "
-              f"{'serve/direct':>12}")
+              f"{'mp kernel GF/s':>14} {'serve/direct':>12} {'serve/mp kernel':>15}")
         workers = []
         for w in range(len(pw["rows"])):
             rows = pw["rows"][w]
             g_serve = rows * fr / pw["serve_s"][w] / 1e9 if pw["serve_s"][w] else 0.0
             g_kern = rows * fr / pw["compute_s"][w] / 1e9 if pw["compute_s"][w] else 0.0
             g_dir = rows * fr / pw["direct_s"][w] / 1e9 if pw["direct_s"][w] else 0.0
+            g_mp = pw["mp_rows"][w] * fr / pw["mp_kernel_s"][w] / 1e9 if pw["mp_kernel_s"][w] else 0.0
             ratio = g_serve / g_dir if g_dir else 0.0
             workers.append({"rows": rows, "serve_gflops": g_serve, "kernel_gflops": g_kern, "direct_gflops": g_dir,
-                            "serve_vs_direct": ratio})
-            print(f"{w:<7} {rows:>8} {g_serve:10.1f} {g_kern:11.1f} {g_dir:11.1f} {ratio:12.2f}")
+                            "mp_kernel_gflops": g_mp, "serve_vs_direct": ratio,
+                            "serve_vs_mp_kernel": g_serve / g_mp if g_mp else 0.0})
+            print(f"{w:<7} {rows:>8} {g_serve:10.1f} {g_kern:11.1f} {g_dir:11.1f} {g_mp:14.1f} {ratio:12.2f} "
+                  f"{workers[-1]['serve_vs_mp_kernel']:15.2f}")
         st = res["stages"]
         med = {k: float(np.median([s[k] for s in st])) * 1e3 for k in
                ("route_s", "gather_s", "combine_s", "dispatch_s", "compute_s", "wait_s", "round_s")}
