@@ -200,9 +200,7 @@ def _compute_s(c: dict) -> float:
 def run(args: argparse.Namespace) -> int:
     from threadpoolctl import threadpool_limits
 
-    from gateway.dispatch import DispatchPlan
     from gateway.router import Router
-    from workers import bf16
     from workers.kernels import cpu_bf16_matmul
     from workers.loading import compute_dtype
 

@@ -14,7 +14,6 @@ reconnect), and a hot update takes a checkpoint layer as its new version.
 from __future__ import annotations
 
 import gc
-import os
 import shutil
 import subprocess
 import sys
