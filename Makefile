@@ -37,6 +37,8 @@ test: $(STAMP)
 	@# rdma-marked tests need a device: they run in the rxe guest below (on the host they would only skip)
 	@# MOE_REQUIRE_TORCH=1: the transformers checks fail rather than skip if the extra is missing
 	MOE_REQUIRE_TORCH=1 $(PY) -m pytest -q -p no:cacheprovider -m "not rdma" --junitxml=$(OUT)/junit-host.xml tests
+	@# the guest has no torch: transformers' outputs and the checkpoints it checks come from here
+	$(PY) -m tests.models_fixture
 	$(PY) -m tests.rxe.vm test --out $(OUT)/rdma -- tests/rdma -q
 	$(PY) -m tests.summary $(OUT)/junit-host.xml $(OUT)/rdma/junit.xml
 
@@ -44,6 +46,7 @@ test-host: $(STAMP)
 	MOE_REQUIRE_TORCH=1 $(PY) -m pytest -q -m "not rdma" tests
 
 test-rdma: $(STAMP)
+	$(PY) -m tests.models_fixture
 	$(PY) -m tests.rxe.vm test --out $(OUT)/rdma -- tests/rdma -q
 
 bench: $(STAMP)

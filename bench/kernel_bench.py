@@ -82,7 +82,7 @@ def _run(args: argparse.Namespace) -> int:
         line = []
         for (kind, dtype), col in zip(kernels, cols):
             g = measure(kind, dtype, n, args.d_model, args.d_ff, args.threads, args.reps, args.min_time)
-            rows.append({"kernel": kind, "dtype": dtype, "tokens": n, "gflops": round(g, 1)})
+            rows.append({"kernel": kind, "dtype": dtype, "tokens": n, "gflops": float(f"{g:.3g}")})
             line.append(f"{g:.1f}".rjust(len(col)))
         print(f"{n:>6}  " + "  ".join(line), flush=True)
     if args.json:

@@ -40,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="router and expert weights (default 0)")
     p.add_argument("--quick", action="store_true", help="small dims for a smoke run")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--compute", choices=["numpy", "torch"], default=None,
+                   help="torch: the expert-kernel benchmark (bench/moe_kernels.py): ours with this kernel beside "
+                        "the kernel called directly, the in-process torch layer, multiprocessing with the same "
+                        "kernel and ours with numpy fp32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="activation dtype on the wire for --compute (default bfloat16)")
 
 
 # -- the reference, in a child of its own ------------------------------------------------
@@ -83,21 +89,29 @@ class ReferenceChild:
 
 # -- moe-transport: real worker processes ---------------------------------------------
 class TransportSystem:
-    def __init__(self, backend: str, router, n_workers: int, d_model: int, d_ff: int, seed: int, batch: int):
+    def __init__(self, backend: str, router, n_workers: int, d_model: int, d_ff: int, seed: int, batch: int,
+                 dtype: str = "float32", extra: tuple = ()):
         from gateway.pool import WorkerPool
+        from transport.service import secrets
         from transport.service.launch import blas_env, spawn_service
         from workers.cli import worker_argv
         n_exp = router.n_experts
         self.procs, urls = [], []
+        # the pool finds a secret as every client does ($MOE_SECRET_FILE, else the default
+        # file): the workers get the same one, or the pool's handshake is refused
+        secret, secret_path = secrets.resolve(None)
+        if secret_path:
+            extra = (*extra, "--secret-file", secret_path)
         for w in range(n_workers):
             listen = {"shm": f"shm://moe-bench-{uuid.uuid4().hex[:8]}", "tcp": "tcp://127.0.0.1:0",
                       "rdma": f"rdma://{os.environ.get('MOE_RDMA_IP', '10.0.2.15')}:0"}[backend]
             experts = [e for e in range(n_exp) if e * n_workers // n_exp == w]
             proc, url = spawn_service(worker_argv(listen, experts, d_model=d_model, d_ff=d_ff, seed=seed,
-                                                  max_tokens=batch * router.top_k), env=blas_env(1), timeout=60)
+                                                  max_tokens=batch * router.top_k, dtype=dtype, extra=extra),
+                                      env=blas_env(1), timeout=60)
             self.procs.append(proc)
             urls.append(url)
-        self.pool = WorkerPool(urls, router, max_batch_tokens=batch, timeout=60)
+        self.pool = WorkerPool(urls, router, max_batch_tokens=batch, timeout=60, dtype=dtype, secret=secret)
         self.stages: list[dict] = []
 
     def forward(self, x: np.ndarray) -> np.ndarray:
@@ -118,6 +132,9 @@ def _pct(a: list[float]) -> tuple[float, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compute is not None or args.dtype is not None:
+        from bench.moe_kernels import run as run_kernels
+        return run_kernels(args)
     from threadpoolctl import threadpool_limits
     from gateway.reference import ReferenceMoE
 

@@ -2,6 +2,10 @@
 
     moe-gateway --listen tcp://127.0.0.1:7000 --workers tcp://10.0.0.2:5000,tcp://10.0.0.3:5000
     moe-gateway --listen shm://gw --local-workers 2 --backend shm      # spawns, supervises and owns them
+    moe-gateway --listen tcp://127.0.0.1:7000 --checkpoint /models/mixtral --layers 0-31 \
+                --local-workers 2 --compute torch --dtype bfloat16   # a real model's MoE layers
+    moe-gateway update --gateway tcp://127.0.0.1:7000 start --experts 0-7 --new-version 1 \
+                --checkpoint /updates/mixtral-ft --layer 3 --wait
     moe-gateway update --gateway tcp://127.0.0.1:7000 start --experts 3 --new-version 1 --seed 7 --wait
     moe-gateway update --gateway tcp://127.0.0.1:7000 advance       # 1% -> 5% -> 25% -> 50% -> 100%
     moe-gateway update --gateway tcp://127.0.0.1:7000 finish        # (or rollback)
@@ -57,15 +61,26 @@ def build_parser() -> argparse.ArgumentParser:
                           "this long (so finishing and rolling back always end), seconds")
     src.add_argument("--connect-timeout", type=float, default=30.0,
                      help="how long the first connection to each worker is retried, seconds")
+    ck = p.add_argument_group("checkpoint (a real model's MoE layers)")
+    ck.add_argument("--checkpoint", default=None, metavar="DIR",
+                    help="serve the MoE layers of this Hugging Face checkpoint: the gateway reads only their "
+                         "routers (family routing rules from config.json); workers must read the same "
+                         "checkpoint and layers (checked by fingerprint at every connect)")
+    ck.add_argument("--layers", default=None, type=options.int_list,
+                    help="with --checkpoint: MoE layers to serve, e.g. 0-23 (default: every MoE layer); each "
+                         "request names its layer")
+    ck.add_argument("--compute", default="numpy", choices=["numpy", "torch"],
+                    help="local workers: expert kernel (torch: bf16 where the CPU has bf16 matrix units, "
+                         "else float32)")
     moe = p.add_argument_group("MoE layer")
     moe.add_argument("--n-experts", type=int, default=8, help="routed experts in the layer")
     moe.add_argument("--top-k", type=int, default=2, help="experts per token")
     moe.add_argument("--d-model", type=int, default=None,
                      help="model width (default: what the workers serve with --workers, else 256)")
     moe.add_argument("--d-ff", type=int, default=512, help="local workers: expert hidden width")
-    moe.add_argument("--dtype", default=None, choices=["float32", "float64"],
-                     help="activation dtype (default: the workers' when --d-model is not given either, "
-                          "else float32)")
+    moe.add_argument("--dtype", default=None, choices=["float32", "float64", "float16", "bfloat16"],
+                     help="activation dtype on the wire (default: the workers' when --d-model is not given "
+                          "either, else float32); bfloat16: 2 bytes a value, combined in float32 at the gateway")
     moe.add_argument("--seed", type=int, default=0, help="seed of the router and of the local workers' weights")
     moe.add_argument("--capacity-factor", type=float, default=None,
                      help="tokens per expert at most: factor x tokens x top_k / experts (default: no limit)")
@@ -115,13 +130,38 @@ def make_router(args):
                   bias=None if bias is None else np.asarray(bias, np.float32))
 
 
-def local_workers(args, secret_path: Optional[str]):
+def checkpoint_layers(args):
+    """{layer: GatewayLayer} of --checkpoint (routers and fingerprints); sets args.d_model."""
+    from gateway.layer import load_gateway_layers
+
+    layers = load_gateway_layers(args.checkpoint, args.layers)
+    if not layers:
+        raise ValueError(f"{args.checkpoint}: no MoE layer to serve")
+    specs = [gl.spec for gl in layers.values()]
+    if args.d_model is not None and args.d_model != specs[0].d_model:
+        raise ValueError(f"--d-model {args.d_model}, but the checkpoint's hidden_size is {specs[0].d_model}")
+    args.d_model = specs[0].d_model
+    return layers
+
+
+def local_workers(args, secret_path: Optional[str], layers=None):
+    from gateway.rounds import slots_per_token
     from gateway.supervisor import LocalWorkers, local_listen_url, placement, worker_command
 
     cpus = args.worker_cpus or []
     commands = []
-    for i, experts in enumerate(placement(args.n_experts, args.local_workers, args.replicas)):
-        extra = ["--threads", str(args.worker_threads), "--log-level", args.log_level]
+    n_experts, n_shared, slots = args.n_experts, 0, args.top_k
+    if layers:
+        sizes = {(gl.spec.n_experts, gl.spec.n_shared) for gl in layers.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"local workers host the same ids in every layer; these layers differ in experts "
+                             f"(routed, shared pieces): {sorted(sizes)}; start workers yourself (--workers)")
+        n_experts, n_shared = sizes.pop()
+        slots = max(slots_per_token(gl.router) for gl in layers.values())
+    for i, experts in enumerate(placement(n_experts, args.local_workers, args.replicas, n_shared)):
+        extra = ["--threads", str(args.worker_threads), "--log-level", args.log_level, "--compute", args.compute]
+        if layers:
+            extra += ["--checkpoint", args.checkpoint, "--layers", ",".join(map(str, sorted(layers)))]
         if cpus:
             extra += ["--cpu", str(cpus[i % len(cpus)])]
         if args.worker_metrics:
@@ -132,7 +172,7 @@ def local_workers(args, secret_path: Optional[str]):
             extra += ["--update-dir", args.update_dir]
         commands.append(worker_command(local_listen_url(args.backend, i, args.rdma_ip), experts,
                                        d_model=args.d_model, d_ff=args.d_ff, seed=args.seed, dtype=args.dtype,
-                                       max_tokens=args.max_batch_tokens * args.top_k, extra=extra))
+                                       max_tokens=args.max_batch_tokens * slots, extra=extra))
     return LocalWorkers(commands, threads=args.worker_threads)
 
 
@@ -191,20 +231,29 @@ def serve_main(args) -> int:
             secret, secret_path = secrets.create_default()
         options.check_exposure(args.listen, secret, args.insecure, "moe-gateway")
         urls = [u.strip() for u in args.workers.split(",") if u.strip()] if args.workers else None
-        if urls and args.d_model is None:  # (one extra connection: only when the user did not say)
+        layers = checkpoint_layers(args) if args.checkpoint else None
+        if args.layers and not layers:
+            raise ValueError("--layers needs --checkpoint (demo weights are one layer)")
+        # ask the first worker (one extra connection) only what neither the user nor the
+        # checkpoint said: the width, and with a checkpoint the workers' wire dtype
+        if urls and (args.d_model is None or (layers and args.dtype is None)):
             info = probe_layer(urls[0], secret, args.connect_timeout)
-            args.d_model = int(info["d_model"])
+            args.d_model = args.d_model or int(info["d_model"])
             args.dtype = args.dtype or str(info["dtype"])
         args.d_model = args.d_model or 256
         args.dtype = args.dtype or "float32"
-        router = make_router(args)
+        if layers:
+            router = {L: gl.router for L, gl in layers.items()}
+            fingerprints = {L: gl.fingerprint for L, gl in layers.items()}
+        else:
+            router, fingerprints = make_router(args), None
         if urls is None:
-            local = local_workers(args, secret_path)
+            local = local_workers(args, secret_path, layers)
             urls = local.urls
         pool = WorkerPool(urls, router, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
                           timeout=args.worker_timeout, connect_timeout=args.connect_timeout,
                           split_replicas=not args.no_split, secret=secret, balancing=args.balancing,
-                          ack_timeout=args.update_ack_timeout)
+                          ack_timeout=args.update_ack_timeout, fingerprints=fingerprints)
         if local is not None:
             local.post = pool.loop.call_soon_threadsafe
             local.on_moved = pool.workers.set_url
@@ -262,6 +311,10 @@ def add_update_parser(sub) -> argparse.ArgumentParser:
     source = st.add_mutually_exclusive_group(required=True)
     source.add_argument("--weights", help=".npz (SwiGLUExpert.save_many) in the workers' --update-dir")
     source.add_argument("--seed", type=int, help="demo weights from this seed")
+    source.add_argument("--checkpoint", metavar="DIR",
+                        help="a checkpoint directory in the workers' --update-dir: the experts of --layer from "
+                             "it (the gateway reads its router and fingerprint; workers check the fingerprint)")
+    st.add_argument("--layer", type=int, default=None, help="the MoE layer to update (default: 0)")
     st.add_argument("--steps", default=None, help="traffic fractions, default 0.01,0.05,0.25,0.5,1")
     st.add_argument("--auto-interval", type=float, default=None,
                     help="advance every S seconds by itself, and finish after the last step")
@@ -288,8 +341,13 @@ def update_main(args) -> int:
     fields: dict = {}
     if args.action == "start":
         fields = {"experts": args.experts, "version": args.version, "steps": parse_floats(args.steps),
-                  "auto_interval": args.auto_interval}
-        fields.update({"weights": os.path.abspath(args.weights)} if args.weights else {"seed": args.seed})
+                  "auto_interval": args.auto_interval, "layer": args.layer}
+        if args.weights:
+            fields["weights"] = os.path.abspath(args.weights)
+        elif args.checkpoint:
+            fields["checkpoint"] = os.path.abspath(args.checkpoint)
+        else:
+            fields["seed"] = args.seed
     elif args.action == "advance" and args.fraction is not None:
         fields = {"fraction": args.fraction}
     try:

@@ -2,25 +2,36 @@
 
     with GatewayClient("tcp://127.0.0.1:7000") as c:
         y = c.forward(x, timeout=5.0)          # x: (T, d_model) float32
+        y = c.forward(x, layer=3)              # a gateway serving a checkpoint: layer 3
+        reply, release = c.send(3, x)          # zero copy: reply views the reply message
 
 One connection per client object. The object is thread-safe (a lock guards the
 connection, which the transport wants used by one thread at a time), but threads then
 take turns; for concurrency make one client per thread. ``submit``/``result`` pipeline
 several requests on one connection; results are matched by request id, so a late reply to
 a request that timed out is discarded, never mistaken for another's.
+
+``forward`` copies the input into a send slot and the output out of the reply (simple, and
+the caller owns the result). ``send`` (gateway.torch_block's LayerClient protocol) copies
+neither on its side: the input goes from the caller's own memory, which the transport sends
+as it is where it can (tcp: one sendmsg straight from it, the kernel's socket copy the only
+one) and stages into a send slot where it must (shm and rdma: peers read registered memory
+only, so one copy into a slot, counted in ``conn.stats.copies``); the output is an array
+over the reply message where it landed, held until ``release`` is called.
 """
 from __future__ import annotations
 
 import itertools
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 import transport
 from transport import Timeout
 from transport.service import secrets
+from workers import bf16
 from workers import protocol as P
 
 DEFAULT_SLOT_SIZE = 4 << 20  # the largest reply this client can take: 1M float32 values
@@ -40,36 +51,96 @@ class GatewayClient:
                                       timeout=connect_timeout or timeout, secret=secret)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._done: dict[int, Any] = {}  # request id -> (header, array copy) or error
+        self._done: dict[int, Any] = {}  # request id -> (header, array copy or kept Message) or error
         self._waiting: set[int] = set()
+        self._keep: set[int] = set()  # requests whose reply message is kept, not copied (send)
+        self._released: list = []  # kept messages given back, to release on the connection's thread
+        self._held = 0  # kept messages not yet released
         #: the gateway's timing of the round that served the last result (route_s, ...)
         self.last_timing: Optional[dict] = None
         self.last_round: Optional[int] = None
         self.last_versions: Optional[list] = None
 
     def forward(self, x: np.ndarray, *, timeout: Optional[float] = None,
-                out: Optional[np.ndarray] = None) -> np.ndarray:
-        """The MoE layer's output for ``x`` (T, d_model). Raises transport.Timeout when no
+                out: Optional[np.ndarray] = None, layer: Optional[int] = None) -> np.ndarray:
+        """The MoE layer's output for ``x`` (T, d_model) (of MoE layer ``layer`` of a gateway
+        serving a checkpoint; None: the default layer). Raises transport.Timeout when no
         reply comes in ``timeout`` seconds, RemoteError when the gateway refuses or fails it."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        rid = self.submit(x, timeout=max(0.0, deadline - time.monotonic()))
+        rid = self.submit(x, timeout=max(0.0, deadline - time.monotonic()), layer=layer)
         return self.result(rid, timeout=max(0.0, deadline - time.monotonic()), out=out)
 
-    def submit(self, x: np.ndarray, *, timeout: Optional[float] = None) -> int:
+    def submit(self, x: np.ndarray, *, timeout: Optional[float] = None, layer: Optional[int] = None) -> int:
         """Send one request; returns its id (for :meth:`result`)."""
         x = np.asarray(x)
         if x.ndim != 2:
             raise ValueError(f"x must be 2-D (T, d_model), got shape {x.shape}")
         with self._lock:
+            self._free_released()
             rid = next(self._ids)
             slot = self.conn.alloc(x.nbytes, timeout=timeout)
-            np.copyto(slot.array(x.dtype, x.shape), x)  # into registered memory: the send is zero-copy
-            self.conn.send(P.forward_request(rid, x.shape, x.dtype), [slot], timeout=timeout)
+            dst = slot.array(x.dtype, x.shape)
+            if bf16.is_bf16(x.dtype):  # copy the bits (ml_dtypes' copy is a conversion loop)
+                dst, src = dst.view(np.uint16), x.view(np.uint16)
+            else:
+                src = x
+            np.copyto(dst, src)  # into registered memory: the send is zero-copy
+            self.conn.send(P.forward_request(rid, x.shape, x.dtype, layer=layer), [slot], timeout=timeout)
             self._waiting.add(rid)
         return rid
 
+    # -- the zero-copy path (gateway.torch_block.LayerClient) --------------------------------
+    def send(self, layer: int, hidden: np.ndarray, *, timeout: Optional[float] = None
+             ) -> tuple[np.ndarray, Callable[[], None]]:
+        """MoE layer ``layer`` on ``hidden`` (T, d_model) without a copy on this side: the
+        request goes from ``hidden``'s own memory (see the module docstring for what each
+        backend does), the returned array views the reply message, which stays held until
+        ``release()`` (safe from a finalizer on any thread: it only queues the message, the
+        next call on this client releases it)."""
+        hidden = np.asarray(hidden)
+        if hidden.ndim != 2 or not hidden.flags.c_contiguous:
+            raise ValueError(f"hidden must be a C-contiguous (T, d_model) array, got {hidden.shape}")
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        buf = hidden.view(np.uint16) if bf16.is_bf16(hidden.dtype) else hidden  # bf16: its bits export a buffer
+        with self._lock:
+            self._free_released()
+            rid = next(self._ids)
+            self._keep.add(rid)
+            try:
+                self.conn.send(P.forward_request(rid, hidden.shape, hidden.dtype, layer=layer),
+                               [buf] if hidden.size else [], timeout=max(0.0, deadline - time.monotonic()))
+            except BaseException:
+                self._keep.discard(rid)
+                raise
+            self._waiting.add(rid)
+        try:
+            msg, reply = self.result(rid, timeout=max(0.0, deadline - time.monotonic()), keep=True)
+        finally:
+            self._keep.discard(rid)
+        released = self._released
+        done = [False]
+
+        def release() -> None:
+            if not done[0]:
+                done[0] = True
+                released.append(msg)  # list.append is atomic: safe from a finalizer, any thread
+
+        return reply, release
+
+    def _free_released(self) -> None:
+        """Release the kept reply messages given back since the last call (under the lock:
+        a connection's messages are released on the thread that uses it)."""
+        while self._released:
+            self._released.pop().release()
+            self._held -= 1
+
+    @property
+    def held_replies(self) -> int:
+        """Kept reply messages not yet released (those given back count until the next call)."""
+        return self._held
+
     def result(self, request_id: int, *, timeout: Optional[float] = None,
-               out: Optional[np.ndarray] = None) -> np.ndarray:
+               out: Optional[np.ndarray] = None, keep: bool = False) -> Any:
         """Wait for request ``request_id``'s output (copied out of the transport buffer,
         into ``out`` if given). On Timeout the request is abandoned."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -77,7 +148,7 @@ class GatewayClient:
             while True:
                 with self._lock:
                     if request_id in self._done:
-                        return self._take(request_id, out)
+                        return self._take(request_id, out, keep)
                     if request_id not in self._waiting:
                         raise KeyError(f"no request {request_id} outstanding")
                     left = deadline - time.monotonic()
@@ -96,15 +167,21 @@ class GatewayClient:
             msg = self.conn.recv(timeout=timeout)
         except Timeout:
             return
+        h = msg.header
+        rid = P.request_id_of(h)
+        op = h.get("op") if isinstance(h, dict) else None
+        if op == P.RESULT and rid in self._waiting and rid in self._keep:
+            self._done[rid] = (h, msg)  # kept where it landed: send() hands out a view of it
+            self._held += 1
+            self._waiting.discard(rid)
+            return
         with msg:
-            h = msg.header
-            rid = P.request_id_of(h)
             if rid not in self._waiting:
                 return  # the reply to an abandoned (timed-out) request
-            op = h.get("op") if isinstance(h, dict) else None
             if op == P.RESULT:
                 shape = tuple(h["shape"])
-                y = msg.array(0, h["dtype"], shape).copy() if shape[0] else np.empty(shape, h["dtype"])
+                dt = P.wire_dtype(h["dtype"])
+                y = msg.array(0, dt, shape).copy() if shape[0] else np.empty(shape, dt)
                 self._done[rid] = (h, y)
             elif op == P.ERROR:
                 self._done[rid] = P.RemoteError(str(h.get("code")), str(h.get("message")), self.url)
@@ -112,7 +189,7 @@ class GatewayClient:
                 self._done[rid] = (h, None)
             self._waiting.discard(rid)
 
-    def _take(self, rid: int, out: Optional[np.ndarray]):
+    def _take(self, rid: int, out: Optional[np.ndarray], keep: bool = False):
         got = self._done.pop(rid)
         if isinstance(got, Exception):
             raise got
@@ -122,6 +199,9 @@ class GatewayClient:
         self.last_timing = h.get("timing")
         self.last_round = h.get("round")
         self.last_versions = h.get("versions")  # [[expert, version]] pinned during a hot update
+        if keep:  # y is the kept Message: (message, a view of its payload)
+            shape, dt = tuple(h["shape"]), P.wire_dtype(h["dtype"])
+            return y, (y.array(0, dt, shape) if shape[0] else np.empty(shape, dt))
         if out is not None:
             np.copyto(out, y)
             return out
@@ -147,6 +227,11 @@ class GatewayClient:
 
     def close(self) -> None:
         with self._lock:
+            self._free_released()
+            for got in self._done.values():  # kept replies nobody took
+                if isinstance(got, tuple) and hasattr(got[1], "release"):
+                    got[1].release()
+            self._done.clear()
             self.conn.close()
 
     def __enter__(self) -> "GatewayClient":

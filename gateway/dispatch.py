@@ -13,6 +13,8 @@ from typing import Mapping, Sequence, Union
 
 import numpy as np
 
+from workers import bf16
+
 __all__ = ["DispatchPlan", "split_over_replicas"]
 
 ExpertToWorker = Union[Mapping[int, int], Sequence[int], np.ndarray]
@@ -169,7 +171,11 @@ class DispatchPlan:
 
         `outputs[w]` holds worker w's rows in the order they were gathered
         (None or a (0, d) array for an empty worker). `out` (T, d) is zeroed
-        first, so tokens whose every slot was dropped come out as 0."""
+        first, so tokens whose every slot was dropped come out as 0.
+
+        Narrow dtypes (bf16, float16) are combined in float32: each output row is
+        widened as it is taken, summed in a float32 buffer, and `out` is written
+        once, rounded (bf16: to nearest even), so a token's sum is rounded once."""
         if len(outputs) != self.n_workers:
             raise ValueError(f"expected {self.n_workers} outputs, got {len(outputs)}")
         if out.ndim != 2 or out.shape[0] != self.num_tokens:
@@ -182,12 +188,25 @@ class DispatchPlan:
             if y is None or y.shape != (n, d):
                 got = None if y is None else y.shape
                 raise ValueError(f"output of worker {w} must have shape {(n, d)}, got {got}")
+        if out.dtype.itemsize < 4:
+            acc = np.empty(out.shape, np.float32)
+            self._combine(outputs, acc, widen=True)
+            if bf16.is_bf16(out.dtype):
+                bf16.from_float32(acc, out=out)
+            else:
+                np.copyto(out, acc, casting="same_kind")
+            return out
+        return self._combine(outputs, out, widen=False)
+
+    def _combine(self, outputs: Sequence[np.ndarray | None], out: np.ndarray, widen: bool) -> np.ndarray:
         if self._unset.size == self.num_tokens:
             out[...] = 0
         elif self._unset.size:
             out[self._unset] = 0
         for w, rows, toks, wts, first in self._segments:
             contrib = np.take(outputs[w], rows, axis=0)
+            if widen:
+                contrib = bf16.to_float32(contrib) if bf16.is_bf16(contrib.dtype) else contrib.astype(np.float32)
             contrib *= wts
             if first:
                 out[toks] = contrib

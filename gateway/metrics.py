@@ -138,7 +138,10 @@ class GatewayMetrics:
         comp = CounterMetricFamily("moe_gateway_worker_compute_seconds", "Compute time the worker reported",
                                    labels=wl)
         erows = CounterMetricFamily("moe_gateway_worker_expert_rows", "Rows sent per worker and expert",
-                                    labels=wl + ["expert"])
+                                    labels=wl + ["expert", "layer"])
+        kl = ["kernel", "dtype", "wire_dtype", "threads"]
+        kin = GaugeMetricFamily("moe_gateway_worker_kernel_info", "Each worker's compute kernel as its info "
+                                "said: kind, compute dtype, wire dtype, threads (value 1)", labels=wl + kl)
         for w in list(pool.workers):
             lv = [str(w.index)]
             info.add_metric([str(w.index), w.url], 1)
@@ -150,14 +153,16 @@ class GatewayMetrics:
             bsent.add_metric(lv, w.batches_sent)
             fail.add_metric(lv, w.failures)
             comp.add_metric(lv, w.compute_seconds)
-            for e, n in sorted(list(w.expert_rows.items())):
-                erows.add_metric(lv + [str(e)], n)
+            for (L, e), n in sorted(list(w.expert_rows.items())):
+                erows.add_metric(lv + [str(e), str(L)], n)
+            if w.kernel:
+                kin.add_metric(lv + [str(w.kernel.get(n, "")) for n in kl], 1)
         wver = GaugeMetricFamily("moe_gateway_worker_expert_version", "Active weights version per worker and "
-                                 "expert, as the worker last said", labels=wl + ["expert"])
+                                 "expert, as the worker last said", labels=wl + ["expert", "layer"])
         for w in list(pool.workers):
-            for e, v in sorted(list(w.versions.items())):
-                wver.add_metric([str(w.index), str(e)], v)
-        fams += [info, healthy, state, out, sent, bsent, fail, comp, erows, wver]
+            for (L, e), v in sorted(list(w.versions.items())):
+                wver.add_metric([str(w.index), str(e), str(L)], v)
+        fams += [info, healthy, state, out, sent, bsent, fail, comp, erows, kin, wver]
         up = pool.update
         if up is not None:
             ul = ["experts", "old", "new"]

@@ -12,12 +12,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
 from gateway.rollout import ACK_TIMEOUT, Rollout
-from gateway.rounds import BatchStats, Request, RoundBook, WorkerError
+from gateway.rounds import BatchStats, Request, RoundBook, WorkerError, n_ids, slots_per_token
 from gateway.router import Router
 from gateway.workers import LayerShape, WorkerLink, WorkerSet
 from transport.service import secrets
@@ -33,8 +33,11 @@ class WorkerPool:
     """Connections to expert workers and the MoE forward across them.
 
     ``urls``: the workers' transport URLs. ``router``: the gate (its n_experts must all be
-    hosted). ``max_batch_tokens``: the largest batch one round carries (sizes the slots: a
-    worker may get up to max_batch_tokens * top_k rows). ``timeout``: a worker's part of a
+    hosted), or {layer: router} for a model's MoE layers (gateway/layer.py's FamilyRouters;
+    shared-expert pieces are ids like the routed ones). ``fingerprints``: {layer: the
+    checkpoint layer's fingerprint} every worker must report for the layers it serves (None:
+    demo weights). ``max_batch_tokens``: the largest batch one round carries (sizes the
+    slots: a worker may get up to max_batch_tokens * (top_k + shared pieces) rows). ``timeout``: a worker's part of a
     round fails after it. ``connect_timeout``: how long the first connection to each worker
     is retried. ``secret``: the workers' shared secret (default FIND: as the services find
     it, $MOE_SECRET_FILE or the per-user default file; None: no secret).
@@ -44,26 +47,37 @@ class WorkerPool:
                  max_batch_tokens: int = 1024, timeout: float = 10.0, connect_timeout: float = 10.0,
                  nslots: int = 8, split_replicas: bool = True, min_split: int = 16,
                  secret: Any = secrets.FIND, loop: Optional[ServeLoop] = None,
-                 balancing: str = "load-aware", ack_timeout: float = ACK_TIMEOUT) -> None:
+                 balancing: str = "load-aware", ack_timeout: float = ACK_TIMEOUT,
+                 fingerprints: Optional[Mapping[int, Optional[str]]] = None) -> None:
         secret = secrets.for_client(secret)
-        self.router = router
-        self.dtype = np.dtype(dtype)
+        self.routers = dict(router) if isinstance(router, Mapping) else {P.DEFAULT_LAYER: router}
+        if not self.routers:
+            raise ValueError("a pool needs at least one layer's router")
+        router = self.router = next(iter(self.routers.values()))  # the first (or only) layer's
+        if any(r.d_model != router.d_model for r in self.routers.values()):
+            raise ValueError("every layer of a model has one d_model")
+        self.dtype = P.wire_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
         self.d_model = router.d_model
-        self.n_experts = router.n_experts
+        self.n_experts = router.n_experts  # routed experts of the first layer (shared pieces: n_ids)
+        self.fingerprints = dict(fingerprints or {})
         self.max_batch_tokens = int(max_batch_tokens)
-        self.max_rows = self.max_batch_tokens * router.top_k
+        self.max_rows = self.max_batch_tokens * max(slots_per_token(r) for r in self.routers.values())
         self.row_bytes = self.d_model * self.dtype.itemsize
         self.timeout = timeout
         self._own_loop = loop is None
         self.loop = loop or ServeLoop()
         ids = itertools.count(1)
         next_id = lambda: next(ids)  # noqa: E731  (rounds and control requests share it)
-        self.workers = WorkerSet(urls, LayerShape(self.d_model, self.dtype, self.max_rows, self.n_experts),
-                                 nslots=nslots, timeout=timeout, secret=secret, post=self.loop.call_soon_threadsafe)
-        self.rollout = Rollout(self.workers, self.n_experts, next_id=next_id, ack_timeout=ack_timeout)
-        self.rounds = RoundBook(self.workers, router, dtype=self.dtype, max_batch_tokens=self.max_batch_tokens,
+        layers = {L: n_ids(r) for L, r in self.routers.items()}
+        shape = LayerShape(self.d_model, self.dtype, self.max_rows, self.n_experts, layers, self.fingerprints)
+        self.workers = WorkerSet(urls, shape, nslots=nslots, timeout=timeout, secret=secret,
+                                 post=self.loop.call_soon_threadsafe)
+        self.rollout = Rollout(self.workers, self.n_experts, next_id=next_id, ack_timeout=ack_timeout,
+                               layers=self.routers, fingerprints=self.fingerprints)
+        self.rounds = RoundBook(self.workers, self.routers, dtype=self.dtype, max_batch_tokens=self.max_batch_tokens,
                                 timeout=timeout, split_replicas=split_replicas, min_split=min_split,
-                                decide_pins=self.rollout.decide, next_id=next_id, balancing=balancing)
+                                decide_pins=self.rollout.decide, next_id=next_id, balancing=balancing,
+                                pinned_router=self.rollout.router_for)
         self.workers.on_message = self._on_message
         self.workers.on_up.append(self._up)
         self.workers.on_down.append(self._down)
@@ -130,8 +144,12 @@ class WorkerPool:
         """Rounds that count against the batcher's in-flight limit (see RoundBook.pipelined)."""
         return self.rounds.pipelined()
 
-    def hosts(self, expert: int) -> list[int]:
-        return self.rounds.hosts(expert)
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.routers)
+
+    def hosts(self, expert: int, layer: int = P.DEFAULT_LAYER) -> list[int]:
+        return self.rounds.hosts(expert, layer=layer)
 
     def stats(self) -> list[dict]:
         return [w.as_dict() for w in self.workers]
@@ -156,17 +174,19 @@ class WorkerPool:
 
     # -- blocking API (a thin driver over the same rounds) -----------------------------------
     def forward(self, x: np.ndarray, out: Optional[np.ndarray] = None, *,
-                timeout: Optional[float] = None) -> tuple[np.ndarray, BatchStats]:
-        """The MoE layer on ``x`` (T, d_model): returns (y, per-stage stats). Raises
+                timeout: Optional[float] = None, layer: int = P.DEFAULT_LAYER) -> tuple[np.ndarray, BatchStats]:
+        """The MoE layer ``layer`` on ``x`` (T, d_model): returns (y, per-stage stats). Raises
         WorkerError (or NoHealthyWorker) when the workers fail this batch; never hangs."""
         x = np.asarray(x)
+        if x.dtype != self.dtype and P.dtype_name(x.dtype) == P.dtype_name(self.dtype):
+            x = x.view(self.dtype)  # bf16 as uint16 bits or as ml_dtypes.bfloat16: the same bytes
         if out is None:
             out = np.empty(x.shape, dtype=self.dtype)
         elif out.shape != x.shape or out.dtype != self.dtype:
-            raise ValueError(f"out must be {x.shape} {self.dtype.name}, got {out.shape} {out.dtype}")
+            raise ValueError(f"out must be {x.shape} {P.dtype_name(self.dtype)}, got {out.shape} {out.dtype}")
         if not x.flags.c_contiguous:
             x = np.ascontiguousarray(x)
-        req = Request(x)
+        req = Request(x, layer=layer)
         self.rounds.dispatch([req])
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout) * 2
         while not req.finished:

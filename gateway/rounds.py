@@ -14,13 +14,17 @@ cannot take the message), each request that needed it is retried once in a new r
 the other workers if every expert it needs there has another healthy host (a forward is
 idempotent), and otherwise fails at once with ``unavailable``. A late reply of a failed part
 is discarded. So a hung worker delays only the requests that need it.
+
+Layers: a gateway serving a checkpoint has one router per MoE layer, and each request names
+its layer. A round carries requests of one layer (the worker message names one), so a batch
+of requests of several layers goes out as one round per layer, all sent before any wait.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -82,12 +86,13 @@ class BatchStats:
 class Request:
     """One token batch inside the gateway, across its attempts."""
 
-    __slots__ = ("x", "tag", "routing", "plan", "pins", "error", "attempts", "round", "bases", "waiting",
+    __slots__ = ("x", "tag", "layer", "routing", "plan", "pins", "error", "attempts", "round", "bases", "waiting",
                  "finished", "arrived")
 
-    def __init__(self, x: np.ndarray, tag: Any = None):
+    def __init__(self, x: np.ndarray, tag: Any = None, layer: int = P.DEFAULT_LAYER):
         self.x: Optional[np.ndarray] = x
         self.tag = tag  # the caller's (the server keeps the client connection and message there)
+        self.layer = layer
         self.routing: Optional[Routing] = None
         self.plan: Optional[DispatchPlan] = None
         self.pins: dict = {}  # expert -> the weights version this request is served by
@@ -135,8 +140,9 @@ class Request:
 
 
 class Round:
-    def __init__(self, rid: int, requests: list, deadline: float):
+    def __init__(self, rid: int, requests: list, deadline: float, layer: int = P.DEFAULT_LAYER):
         self.id = rid
+        self.layer = layer
         self.requests = requests
         self.deadline = deadline
         self.rows: dict = {}  # worker -> rows sent
@@ -161,26 +167,47 @@ class Round:
         return not self.outstanding and not self.replies
 
 
+def n_ids(router) -> int:
+    """Expert ids a router routes to: a FamilyRouter's shared pieces included."""
+    return int(getattr(router, "n_ids", router.n_experts))
+
+
+def slots_per_token(router) -> int:
+    """Rows one token may occupy: top-k, plus a FamilyRouter's shared pieces."""
+    return int(router.top_k + getattr(router, "n_shared", 0))
+
+
 class RoundBook:
-    """Sends rounds to the workers of ``workers`` and follows them to every request's end."""
+    """Sends rounds to the workers of ``workers`` and follows them to every request's end.
+
+    ``router``: one router (layer 0), or {layer: router}. ``decide_pins(layer)``: the weights
+    versions a new request of that layer is served by (hot update); ``pinned_router(layer,
+    pins)``: the router those pins route with, None for the layer's own."""
 
     def __init__(self, workers: WorkerSet, router, *, dtype: np.dtype, max_batch_tokens: int, timeout: float,
                  split_replicas: bool = True, min_split: int = 16,
-                 decide_pins: Optional[Callable[[], dict]] = None,
-                 next_id: Optional[Callable[[], int]] = None, balancing: str = "load-aware") -> None:
+                 decide_pins: Optional[Callable[[int], dict]] = None,
+                 next_id: Optional[Callable[[], int]] = None, balancing: str = "load-aware",
+                 pinned_router: Optional[Callable[[int, dict], Any]] = None) -> None:
         if balancing not in BALANCING:
             raise ValueError(f"balancing must be one of {BALANCING}, got {balancing!r}")
         self.balancing = balancing
         self.workers = workers
-        self.router = router
+        # a dict is kept as it is: the pool shares it with its Rollout (a finished update
+        # installs a new router there)
+        self.routers = router if isinstance(router, dict) else (
+            dict(router) if isinstance(router, Mapping) else {P.DEFAULT_LAYER: router})
+        self.router = next(iter(self.routers.values()))  # the first (or only) layer's
         self.dtype = np.dtype(dtype)
-        self.d_model = router.d_model
-        self.n_experts = router.n_experts
+        self.d_model = self.router.d_model
+        self.n_experts = n_ids(self.router)
+        self.n_ids = {L: n_ids(r) for L, r in self.routers.items()}
+        self.pinned_router = pinned_router or (lambda layer, pins: None)
         self.max_batch_tokens = max_batch_tokens
         self.row_bytes = self.d_model * self.dtype.itemsize
         self.timeout = timeout
         self.split_replicas, self.min_split = split_replicas, min_split
-        self.decide_pins = decide_pins or (lambda: {})
+        self.decide_pins = decide_pins or (lambda layer: {})
         self._ids = next_id or _counter()
         self.rounds: dict[int, Round] = {}
         self._finished: list[Request] = []
@@ -190,12 +217,19 @@ class RoundBook:
 
     # -- dispatch ------------------------------------------------------------------------------
     def dispatch(self, requests: Sequence[Request], avoid: frozenset = frozenset()) -> Optional[Round]:
-        """Route, plan, gather and send ``requests`` as one round (to every worker before
-        waiting for any; none in ``avoid``). Requests that cannot go (bad shape, an expert
-        nobody healthy hosts) finish at once with their error; see :meth:`take_finished`."""
+        """Route, plan, gather and send ``requests`` as one round per layer (to every worker
+        before waiting for any; none in ``avoid``). Requests that cannot go (bad shape, an
+        expert nobody healthy hosts) finish at once with their error; see
+        :meth:`take_finished`. Returns the (last) round sent, or None."""
         self._avoid = avoid
         try:
-            return self._dispatch(requests)
+            layers = {r.layer for r in requests}
+            if len(layers) <= 1:
+                return self._dispatch(requests)
+            rnd = None
+            for L in sorted(layers):
+                rnd = self._dispatch([r for r in requests if r.layer == L]) or rnd
+            return rnd
         finally:
             self._avoid = frozenset()
 
@@ -214,7 +248,7 @@ class RoundBook:
         route_s = time.perf_counter() - t
         if not live:
             return None
-        rnd = Round(self._ids(), live, time.monotonic() + self.timeout)
+        rnd = Round(self._ids(), live, time.monotonic() + self.timeout, live[0].layer)
         rnd.stats.route_s = route_s
         now = time.perf_counter()
         for req in live:
@@ -240,34 +274,43 @@ class RoundBook:
         see :meth:`take_finished`). Dispatch does not route it again."""
         if not self._route(req):
             return None
-        return frozenset(np.flatnonzero(req.routing.expert_counts).tolist())
+        # (layer, expert): requests of two layers never share an expert
+        return frozenset((req.layer, e) for e in np.flatnonzero(req.routing.expert_counts).tolist())
 
     def _route(self, req: Request) -> bool:
         x = req.x
+        router = self.routers.get(req.layer)
+        if router is None:
+            return self._fail(req, ValueError(f"layer {req.layer} is not served here (layers: "
+                                              f"{sorted(self.routers)})"))
         if x.ndim != 2 or x.shape[1] != self.d_model or x.dtype != self.dtype:
-            return self._fail(req, ValueError(f"batch must be (T, {self.d_model}) {self.dtype.name}, "
-                                              f"got {x.shape} {x.dtype}"))
+            return self._fail(req, ValueError(f"batch must be (T, {self.d_model}) {P.dtype_name(self.dtype)}, "
+                                              f"got {x.shape} {P.dtype_name(x.dtype)}"))
         if x.shape[0] > self.max_batch_tokens:
             return self._fail(req, ValueError(f"batch of {x.shape[0]} tokens exceeds max_batch_tokens "
                                               f"{self.max_batch_tokens}"))
+        # pins first: a hot update that brings its own router routes the requests it serves
+        req.pins = self.decide_pins(req.layer)
+        router = self.pinned_router(req.layer, req.pins) or router
         try:
-            req.routing = self.router.route(x)
+            req.routing = router.route(x)
         except ValueError as e:
             return self._fail(req, e)
-        req.pins = self.decide_pins()
         return True
 
-    def hosts(self, expert: int, avoid: frozenset = frozenset()) -> list[int]:
+    def hosts(self, expert: int, avoid: frozenset = frozenset(), layer: int = P.DEFAULT_LAYER) -> list[int]:
         avoid = avoid or self._avoid
-        return [w.index for w in self.workers if w.usable and expert in w.experts and w.index not in avoid]
+        return [w.index for w in self.workers if w.usable and w.hosts(expert, layer) and w.index not in avoid]
 
     def _hosted(self, req: Request) -> bool:
         needed = np.flatnonzero(req.routing.expert_counts)
-        lost = [int(e) for e in needed if not self.hosts(int(e))]
+        L = req.layer
+        lost = [int(e) for e in needed if not self.hosts(int(e), layer=L)]
         if not lost:
             return True
-        why = "; ".join(f"expert {e} on " + (", ".join(w.describe() for w in self.workers if e in w.experts)
-                                             or "no worker") for e in lost)
+        of = f" of layer {L}" if len(self.routers) > 1 or L != P.DEFAULT_LAYER else ""
+        why = "; ".join(f"expert {e}{of} on " + (", ".join(w.describe() for w in self.workers if w.hosts(e, L))
+                                                 or "no worker") for e in lost)
         return self._fail(req, NoHealthyWorker(f"no healthy worker for {why}"))
 
     def _fail(self, req: Request, err: Exception) -> bool:
@@ -284,9 +327,10 @@ class RoundBook:
     def _plan(self, rnd: Round) -> None:
         reqs = rnd.requests
         idx = np.concatenate([r.routing.topk_idx for r in reqs]) if len(reqs) > 1 else reqs[0].routing.topk_idx
-        counts = np.bincount(idx[idx >= 0].ravel(), minlength=self.n_experts)
+        n_experts = self.n_ids[rnd.layer]
+        counts = np.bincount(idx[idx >= 0].ravel(), minlength=n_experts)
         load = np.array([w.outstanding_rows for w in self.workers], dtype=np.float64)
-        hosts = {e: self.hosts(e) for e in range(self.n_experts) if counts[e]}
+        hosts = {e: self.hosts(e, layer=rnd.layer) for e in range(n_experts) if counts[e]}
         if self.balancing == "least-loaded":
             cost = np.array([w.seconds_per_row for w in self.workers], dtype=np.float64)
             replicas, shares = choose_least_loaded(counts, hosts, load, cost)
@@ -295,7 +339,7 @@ class RoundBook:
                                                min_split=self.min_split)
         # one assignment over the round, so a replicated expert is balanced across requests
         if all(len(ws) == 1 for ws in replicas.values()):  # no split: a table lookup is enough
-            table = np.zeros(self.n_experts, dtype=np.int64)
+            table = np.zeros(n_experts, dtype=np.int64)
             for e, ws in replicas.items():
                 table[e] = ws[0]
             assign = np.where(idx >= 0, table[np.maximum(idx, 0)], -1)
@@ -306,7 +350,7 @@ class RoundBook:
         for r in reqs:
             T = r.routing.num_tokens
             r.plan = DispatchPlan.from_assignment(r.routing.topk_idx, r.routing.topk_weights,
-                                                  assign[at:at + T], n_workers, n_experts=self.n_experts)
+                                                  assign[at:at + T], n_workers, n_experts=n_experts)
             at += T
             r.bases, r.waiting = {}, set()
         for w in range(n_workers):
@@ -360,13 +404,15 @@ class RoundBook:
             groups.extend((e, base + s, c, pins[e]) if e in pins else (e, base + s, c)
                           for e, s, c in r.plan.groups(w.index))
         rnd.stats.gather_s += time.perf_counter() - t
-        if not self.workers.send(w, P.forward_request(rnd.id, (rows, self.d_model), self.dtype, groups), [slot]):
+        header = P.forward_request(rnd.id, (rows, self.d_model), self.dtype, groups, layer=rnd.layer)
+        if not self.workers.send(w, header, [slot]):
             return f"worker {w.describe()} did not take round {rnd.id}"
         w.outstanding_rows += rows
         w.rows_sent += rows
         w.batches_sent += 1
         for g in groups:
-            w.expert_rows[g[0]] = w.expert_rows.get(g[0], 0) + g[2]
+            key = (rnd.layer, g[0])
+            w.expert_rows[key] = w.expert_rows.get(key, 0) + g[2]
         return None
 
     # -- replies and failures ------------------------------------------------------------------
@@ -387,7 +433,7 @@ class RoundBook:
             w.failures += 1
             self._part_failed(rnd, w.index, f"worker {w.url} failed round {rid}: {err}")
             return
-        if h.get("shape") != [rows, self.d_model] or h.get("dtype") != self.dtype.name \
+        if h.get("shape") != [rows, self.d_model] or h.get("dtype") != P.dtype_name(self.dtype) \
                 or len(msg.buffers) != 1 or msg.buffers[0].nbytes != rows * self.row_bytes:
             msg.release()
             self.workers.lost(w, f"malformed reply {str(h)[:200]}")
@@ -456,7 +502,7 @@ class RoundBook:
             self.dispatch(retry, avoid=frozenset({w_index}))
 
     def _can_retry(self, r: Request, avoid: frozenset) -> bool:
-        return all(self.hosts(int(e), avoid) for e in np.flatnonzero(r.routing.expert_counts))
+        return all(self.hosts(int(e), avoid, r.layer) for e in np.flatnonzero(r.routing.expert_counts))
 
     def _check_settled(self, rnd: Round) -> None:
         if rnd.id in self.rounds and not rnd.outstanding and not any(

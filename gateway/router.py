@@ -165,9 +165,15 @@ class Router:
         # round() first so that e.g. 1.1 * 10 / 1 = 11.000000000000002 gives 11, not 12.
         return int(math.ceil(round(c, 9)))
 
-    def logits(self, x: np.ndarray) -> np.ndarray:
-        """Clean gate logits (T, n_experts) in the router dtype."""
+    @staticmethod
+    def _widen(x: np.ndarray) -> np.ndarray:
+        """bf16 activations (either representation) as float32, exactly; others as they are."""
         x = np.asarray(x)
+        return bf16.to_float32(np.ascontiguousarray(x)) if bf16.is_bf16(x.dtype) else x
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """Clean gate logits (T, n_experts) in the router dtype (x: floating or bf16)."""
+        x = self._widen(x)
         if x.ndim != 2 or x.shape[1] != self.d_model:
             raise ValueError(f"x must have shape (T, {self.d_model}), got {x.shape}")
         if not np.issubdtype(x.dtype, np.floating):
@@ -182,6 +188,7 @@ class Router:
     def route(self, x: np.ndarray, *, rng: np.random.Generator | int | None = None) -> Routing:
         """Route tokens x (T, d_model). `rng` (a Generator or a seed) drives the
         noise of noisy top-k; without one the router's own seeded stream is used."""
+        x = self._widen(x)
         z = self.logits(x)
         T, E, k = z.shape[0], self.n_experts, self.top_k
         if self.noisy:

@@ -206,7 +206,7 @@ class GatewayServer:
             self.stats.requests += 1
             pool = self.pool
             batch = P.parse_forward(msg.header, [b.nbytes for b in msg.buffers], dtype=pool.dtype,
-                                    d_model=pool.d_model, max_rows=self.max_batch_tokens)
+                                    d_model=pool.d_model, max_rows=self.max_batch_tokens, layers=pool.routers.keys())
             if batch.nbytes > conn.max_message:
                 raise P.RequestError(P.OVERSIZED, f"the reply ({batch.nbytes} bytes) exceeds this connection's "
                                                   f"slot size ({conn.max_message}); connect with a larger slot_size")
@@ -226,7 +226,7 @@ class GatewayServer:
             self._reply(_Client(conn, None, rid), None)
             return
         x = msg.array(0, pool.dtype, (batch.rows, pool.d_model))
-        req = Request(x, _Client(conn, msg, rid))
+        req = Request(x, _Client(conn, msg, rid), batch.layer)
         experts = None
         if self.batcher.needs_experts:  # expert-aware batching: route now (dispatch then skips it)
             experts = pool.rounds.route_early(req)
@@ -241,7 +241,8 @@ class GatewayServer:
         try:
             if action == "start":
                 return self.pool.rollout.start(h.get("experts"), h.get("version"), weights=h.get("weights"),
-                                               seed=h.get("seed"), steps=h.get("steps"),
+                                               seed=h.get("seed"), checkpoint=h.get("checkpoint"),
+                                               layer=h.get("layer"), steps=h.get("steps"),
                                                auto_interval=h.get("auto_interval"))
             return self.pool.rollout.command(str(action), h.get("fraction"))
         except (UpdateError, TypeError, ValueError) as e:
@@ -259,8 +260,10 @@ class GatewayServer:
                            "batching": self.batcher.policy, "balancing": pool.rounds.balancing,
                            "replicas": pool.replication(),
                            "n_experts": pool.n_experts, "top_k": pool.router.top_k,
-                           "d_model": pool.d_model, "dtype": pool.dtype.name,
-                           "router": pool.router.describe()}}
+                           "d_model": pool.d_model, "dtype": P.dtype_name(pool.dtype),
+                           "router": pool.router.describe(),
+                           "layers": [[L, pool.routers[L].describe(), pool.fingerprints.get(L)]
+                                      for L in pool.layers]}}
 
     # -- rounds ------------------------------------------------------------------------------
     def _tick(self, now: float) -> Optional[float]:

@@ -23,14 +23,24 @@ RESPAWN_BACKOFF = (0.2, 5.0)  # first and longest wait before starting a dead wo
 STABLE_AFTER = 30.0  # a worker that lived this long resets its back-off
 
 
-def placement(n_experts: int, n_workers: int, replicas: int = 1) -> list[list[int]]:
+def placement(n_experts: int, n_workers: int, replicas: int = 1, n_shared: int = 0) -> list[list[int]]:
     """Contiguous blocks of experts per worker; with replicas > 1, worker i also hosts
-    the blocks of workers i-1, ..., i-replicas+1 (so each expert lives on that many)."""
+    the blocks of workers i-1, ..., i-replicas+1 (so each expert lives on that many).
+
+    Shared-expert pieces (ids n_experts .. n_experts + n_shared - 1, a checkpoint's) get
+    every token, so each is as hot as top_k routed experts together: with replicas > 1
+    each lives on EVERY worker (the gateway then splits its rows over all of them by
+    load); with replicas == 1 piece j lives on worker j mod n_workers (one copy each, as
+    asked, spread so no worker holds two before each holds one)."""
     if not 1 <= n_workers:
         raise ValueError("need at least one worker")
     replicas = max(1, min(replicas, n_workers))
     blocks = [[e for e in range(n_experts) if e * n_workers // n_experts == w] for w in range(n_workers)]
-    return [sorted({e for r in range(replicas) for e in blocks[(w - r) % n_workers]}) for w in range(n_workers)]
+    out = [sorted({e for r in range(replicas) for e in blocks[(w - r) % n_workers]}) for w in range(n_workers)]
+    for j in range(n_shared):
+        for w in (range(n_workers) if replicas > 1 else [j % n_workers]):
+            out[w].append(n_experts + j)
+    return out
 
 
 def worker_command(listen: str, experts: Sequence[int], *, d_model: int, d_ff: int, seed: int, dtype: str,

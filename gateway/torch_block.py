@@ -1,8 +1,9 @@
 """A drop-in PyTorch module: every sparse MoE block of a transformers model served remotely.
 
     from gateway.torch_block import replace_moe_blocks
-    replace_moe_blocks(model, client)        # client: a LayerClient (see below)
+    replace_moe_blocks(model, "tcp://127.0.0.1:7000")   # a moe-gateway serving the checkpoint
     model.generate(...)                       # every MoE layer now goes to the gateway
+    replace_moe_blocks(model, client)        # or any LayerClient (see below)
 
 Blocks are found by what they are, not where they sit: an instance of one of
 transformers' MoE block classes of a supported family (`MOE_BLOCK_CLASSES`), wherever the
@@ -189,8 +190,9 @@ class RemoteMoEBlock(torch.nn.Module):
 def replace_moe_blocks(model: Any, gateway: "str | LayerClient", *, strict: bool = True, **client_opts: Any
                        ) -> dict[int, Any]:
     """Replace every sparse MoE block of a transformers ``model`` in place by a
-    RemoteMoEBlock sending to ``gateway`` (a LayerClient, or a gateway URL once the
-    network client speaks layers). Returns {layer index: new module}."""
+    RemoteMoEBlock sending to ``gateway``: a gateway URL (a gateway.client.GatewayClient is
+    connected, with ``client_opts`` such as timeout or secret_file; it is ``model.moe_client``,
+    close it when done), or any LayerClient. Returns {layer index: new module}."""
     client = _connect(gateway, **client_opts) if isinstance(gateway, str) else gateway
     if client_opts and not isinstance(gateway, str):
         raise TypeError(f"client options {sorted(client_opts)} need a gateway URL, not a client")
@@ -202,7 +204,11 @@ def replace_moe_blocks(model: Any, gateway: "str | LayerClient", *, strict: bool
         setattr(parent, attr, new)
         out[layer] = new
     if not out:
+        if isinstance(gateway, str):
+            client.close()
         raise ValueError(f"no sparse MoE block of a supported family in {type(model).__name__}")
+    if isinstance(gateway, str):
+        model.moe_client = client
     _guard_router_logits(model)
     return out
 
@@ -223,9 +229,10 @@ def _guard_router_logits(model: Any) -> None:
 
 
 def _connect(url: str, **opts: Any) -> LayerClient:
-    raise NotImplementedError(
-        f"replace_moe_blocks({url!r}): the gateway's network client does not carry the layer index yet "
-        f"(integration of issue 12); pass a LayerClient, e.g. InProcessLayerClient.from_checkpoint(dir)")
+    """A GatewayClient (its ``send`` is the LayerClient protocol: zero copy both ways)."""
+    from gateway.client import GatewayClient
+
+    return GatewayClient(url, **opts)
 
 
 class InProcessLayerClient:

@@ -63,6 +63,8 @@ class Update:
     new: int
     steps: tuple = DEFAULT_STEPS
     auto_interval: Optional[float] = None  # seconds between automatic advances (then finish)
+    layer: int = 0  # the MoE layer whose experts it updates (0: the demo mode's one layer)
+    router: object = None  # a new router the new version routes with (a checkpoint layer's), or None
     clock: object = time.monotonic
     state: State = State.LOADING
     step: int = -1  # index into steps while SHIFTING
@@ -218,7 +220,8 @@ class Update:
         self.timeline.append([round(self.clock() - self._t0, 6), what, self.fraction])
 
     def status(self) -> dict:
-        return {"state": self.state.value, "experts": list(self.experts),
+        return {"state": self.state.value, "experts": list(self.experts), "layer": self.layer,
+                "new_router": self.router is not None,
                 "old": [[e, self.old[e]] for e in self.experts], "new": self.new,
                 "fraction": self.fraction, "step": self.step, "steps": list(self.steps),
                 "served": {"old": self.served["old"], "new": self.served["new"]},

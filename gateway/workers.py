@@ -7,7 +7,7 @@ Each worker has a :class:`WorkerLink`: its URL, connection, what it hosts (from 
        │  ▲                                                │
        │  └────────────── reconnected, same shape ◀── lost ◀┘ connection gone
        └──draining notice──▶ draining (no new work; lost when it goes)
-    lost ──came back with another shape or expert set──▶ refused (retried slowly, reported)
+    lost ──came back with another shape, expert set or checkpoint──▶ refused (retried slowly, reported)
 
 Only ``healthy`` workers get new work. A lost worker is reconnected in the background with a
 growing back-off (never blocking the serve loop: the connect, handshake and ``info`` run in a
@@ -52,16 +52,63 @@ class Health(str, enum.Enum):
 
 @dataclass(frozen=True)
 class LayerShape:
-    """What every worker must serve for this gateway (checked at every (re)connect)."""
+    """What every worker must serve for this gateway (checked at every (re)connect).
+
+    ``layers``: {layer: expert ids it has (routed + shared pieces)}, default {0: n_experts};
+    ``fingerprints``: {layer: the fingerprint of the checkpoint layer the gateway read}, None
+    (or a layer missing) for demo weights. A worker must serve only these layers, with the
+    same fingerprints."""
 
     d_model: int
     dtype: np.dtype
     max_rows: int  # the most rows one round may send one worker
     n_experts: int
+    layers: Optional[dict] = None
+    fingerprints: Optional[dict] = None
 
     @property
     def row_bytes(self) -> int:
         return self.d_model * self.dtype.itemsize
+
+    @property
+    def n_ids(self) -> dict:
+        """{layer: expert ids}"""
+        return dict(self.layers) if self.layers else {P.DEFAULT_LAYER: self.n_experts}
+
+    def fingerprint(self, layer: int) -> Optional[str]:
+        return (self.fingerprints or {}).get(layer)
+
+
+def worker_layers(info: dict) -> dict:
+    """{layer: (sorted ids, fingerprint or None)} from a worker's info (``layers``, or the
+    ``experts`` of layer 0 from a worker that does not list layers)."""
+    if "layers" in info:
+        return {int(L): (sorted(int(e) for e in ids), fp) for L, ids, fp in info["layers"]}
+    return {P.DEFAULT_LAYER: (sorted(int(e) for e in info.get("experts", [])), None)}
+
+
+def check_layers(info: dict, shape: LayerShape, url: str) -> dict:
+    """The worker's layers, or ValueError when it serves another checkpoint (or layers, or
+    demo weights where the gateway serves a checkpoint, or the reverse)."""
+    got = worker_layers(info)
+    want = shape.n_ids
+    extra = sorted(set(got) - set(want))
+    if extra:
+        raise ValueError(f"worker {url} serves layers {extra}, which this gateway does not serve "
+                         f"(layers {sorted(want)}): start both with the same --layers")
+    for L, (_, fp) in got.items():
+        mine = shape.fingerprint(L)
+        if fp == mine:
+            continue
+        if mine is None:
+            raise ValueError(f"worker {url} serves layer {L} of a checkpoint (fingerprint {fp[:12]}), this "
+                             f"gateway serves demo weights: start the gateway with --checkpoint")
+        if fp is None:
+            raise ValueError(f"worker {url} serves demo weights, this gateway serves layer {L} of a "
+                             f"checkpoint (fingerprint {mine[:12]}): start the worker with --checkpoint")
+        raise ValueError(f"worker {url} read layer {L} with fingerprint {fp[:12]}, this gateway read "
+                         f"{mine[:12]}: they do not read the same checkpoint")
+    return got
 
 
 @dataclass
@@ -71,9 +118,11 @@ class WorkerLink:
     index: int
     url: str
     conn: Any = None
-    experts: list = field(default_factory=list)
-    versions: dict = field(default_factory=dict)  # expert -> active version
-    held: dict = field(default_factory=dict)  # expert -> versions the worker holds
+    experts: list = field(default_factory=list)  # every id it hosts, over all layers
+    layers: dict = field(default_factory=dict)  # layer -> frozenset of the ids it hosts there
+    versions: dict = field(default_factory=dict)  # (layer, expert) -> active version
+    held: dict = field(default_factory=dict)  # (layer, expert) -> versions the worker holds
+    kernel: dict = field(default_factory=dict)  # its kernel as it describes it (kind, dtype, threads)
     max_tokens: int = 0
     d_ff: Optional[int] = None  # as its info said (reported, not needed by the gateway)
     state: Health = Health.LOST
@@ -84,7 +133,7 @@ class WorkerLink:
     failures: int = 0
     reconnects: int = 0
     compute_seconds: float = 0.0
-    expert_rows: dict = field(default_factory=dict)  # expert_id -> rows sent
+    expert_rows: dict = field(default_factory=dict)  # (layer, expert_id) -> rows sent
     cpu_s: float = 0.0  # the worker process's CPU seconds, as its last reply said
     seconds_per_row: Optional[float] = None  # its compute per row (cost_seconds / cost_rows)
     cost_seconds: float = 0.0  # decayed sums of the compute its replies reported ...
@@ -109,6 +158,10 @@ class WorkerLink:
         self.cost_seconds = 0.9 * self.cost_seconds + seconds
         self.cost_rows = 0.9 * self.cost_rows + rows
         self.seconds_per_row = self.cost_seconds / self.cost_rows
+
+    def hosts(self, expert: int, layer: int = P.DEFAULT_LAYER) -> bool:
+        ids = self.layers.get(layer)
+        return ids is not None and expert in ids
 
     @property
     def connected(self) -> bool:
@@ -138,8 +191,10 @@ class WorkerLink:
                 "batches_sent": self.batches_sent, "failures": self.failures, "reconnects": self.reconnects,
                 "compute_seconds": self.compute_seconds, "cpu_s": self.cpu_s, "pid": self.pid,
                 "seconds_per_row": self.seconds_per_row,
-                "versions": [[e, v, sorted(self.held.get(e, {v}))] for e, v in sorted(self.versions.items())],
-                "expert_rows": [[e, n] for e, n in sorted(self.expert_rows.items())],
+                "layers": [[L, sorted(ids)] for L, ids in sorted(self.layers.items())], "kernel": dict(self.kernel),
+                "versions": [P.with_layer([e, v, sorted(self.held.get((L, e), {v}))], L)
+                             for (L, e), v in sorted(self.versions.items())],
+                "expert_rows": [P.with_layer([e, n], L) for (L, e), n in sorted(self.expert_rows.items())],
                 "transport": self.conn.stats.as_dict() if self.conn is not None else {}}
 
 
@@ -154,9 +209,10 @@ def _hello(conn, shape: LayerShape, url: str, timeout: float) -> dict:
         if isinstance(h, dict) and h.get("op") in (P.INFO, P.ERROR) and h.get("id") == 0:
             break
     P.raise_if_error(h, url)
-    if h.get("d_model") != shape.d_model or h.get("dtype") != shape.dtype.name:
+    if h.get("d_model") != shape.d_model or h.get("dtype") != P.dtype_name(shape.dtype):
         raise ValueError(f"worker {url} serves d_model={h.get('d_model')} {h.get('dtype')}, "
-                         f"the gateway needs d_model={shape.d_model} {shape.dtype.name}")
+                         f"the gateway needs d_model={shape.d_model} {P.dtype_name(shape.dtype)}")
+    check_layers(h, shape, url)
     max_tokens = int(h.get("max_tokens", 0))
     if max_tokens < shape.max_rows or conn.max_message < shape.max_rows * shape.row_bytes:
         raise ValueError(
@@ -164,6 +220,10 @@ def _hello(conn, shape: LayerShape, url: str, timeout: float) -> dict:
             f"this gateway may send {shape.max_rows} rows; start it with --max-tokens >= {shape.max_rows} "
             f"or lower the gateway's --max-batch-tokens")
     return h
+
+
+def _show(layers: dict) -> str:
+    return "; ".join(f"layer {L}: experts {sorted(ids)}" for L, ids in sorted(layers.items()))
 
 
 class WorkerSet:
@@ -234,29 +294,36 @@ class WorkerSet:
                     time.sleep(delay)
                     delay = min(RECONNECT_BACKOFF[1], delay * 2)
             self._attach(w, conn, info, first=True)
-        missing = [e for e in range(self.shape.n_experts) if not any(e in w.experts for w in self.links)]
-        if missing:
-            raise ValueError(f"experts {missing} are hosted by no worker of {[w.url for w in self.links]}")
+        for L, n in self.shape.n_ids.items():
+            missing = [e for e in range(n) if not any(w.hosts(e, L) for w in self.links)]
+            if missing:
+                where = f" of layer {L}" if L != P.DEFAULT_LAYER or len(self.shape.n_ids) > 1 else ""
+                raise ValueError(f"experts {missing}{where} are hosted by no worker of "
+                                 f"{[w.url for w in self.links]}")
 
     def _attach(self, w: WorkerLink, conn, info: dict, first: bool = False) -> None:
-        experts = sorted(int(e) for e in info.get("experts", []))
-        if not first and w.experts and experts != w.experts:
+        layers = {L: frozenset(ids) for L, (ids, _) in worker_layers(info).items()}
+        if not first and w.layers and layers != w.layers:
             conn.close()
-            self._refuse(w, f"came back hosting experts {experts}, not {w.experts}")
+            self._refuse(w, f"came back hosting {_show(layers)}, not {_show(w.layers)}")
             return
         w.conn = conn
-        w.experts = experts
+        w.layers = layers
+        w.experts = sorted({e for ids in layers.values() for e in ids})
         self.set_versions(w, info.get("versions", []))
         w.max_tokens = int(info.get("max_tokens", 0))
         w.d_ff = info.get("d_ff")
+        w.kernel = dict(info.get("kernel") or {})
         w.pid = info.get("pid")
         w.state, w.why = Health.HEALTHY, ""
         w.backoff = 0.0
         w.last_heard = time.monotonic()
         w.ping_sent = None
-        bad = [e for e in w.experts if not 0 <= e < self.shape.n_experts]
-        if bad:
-            log.warning("worker %s hosts experts %s beyond the layer's %d", w.url, bad, self.shape.n_experts)
+        n_ids = self.shape.n_ids
+        for L, ids in layers.items():
+            bad = sorted(e for e in ids if not 0 <= e < n_ids.get(L, 0))
+            if bad:
+                log.warning("worker %s hosts experts %s of layer %d beyond its %d", w.url, bad, L, n_ids.get(L, 0))
         if not first:
             w.reconnects += 1
             log.warning("worker %s is back (pid %s)", w.url, w.pid)
@@ -282,9 +349,10 @@ class WorkerSet:
     # -- health ----------------------------------------------------------------------------
     @staticmethod
     def set_versions(w: WorkerLink, versions: list) -> None:
-        """From info/pong: [[expert, active, [held, ...]], ...]."""
-        w.versions = {int(v[0]): int(v[1]) for v in versions}
-        w.held = {int(v[0]): set(int(x) for x in (v[2] if len(v) > 2 else [v[1]])) for v in versions}
+        """From info/pong: [[expert, active, [held, ...](, layer)], ...]."""
+        w.versions = {(P.entry_layer(v, 3), int(v[0])): int(v[1]) for v in versions}
+        w.held = {(P.entry_layer(v, 3), int(v[0])): set(int(x) for x in (v[2] if len(v) > 2 else [v[1]]))
+                  for v in versions}
 
     def heard(self, w: WorkerLink) -> None:
         """A message came from ``w``: it is alive."""

@@ -94,8 +94,11 @@ class Services:
         return self.start(worker_argv(listen_url(backend, "w"), experts, d_model=d_model, d_ff=d_ff,
                                       seed=seed, max_tokens=max_tokens, extra=extra))
 
-    def gateway(self, backend: str, *, workers: Optional[Sequence[str]] = None, **flags) -> Service:
-        """``flags`` are moe-gateway options with underscores (``top_k=2``, ``no_split=True``)."""
+    def gateway(self, backend: str, *, workers: Optional[Sequence[str]] = None, timeout: float = 30.0,
+                **flags) -> Service:
+        """``flags`` are moe-gateway options with underscores (``top_k=2``, ``no_split=True``);
+        ``timeout``: how long it may take to print LISTENING (with local workers, it starts
+        them first)."""
         argv = [sys.executable, "-m", "gateway.cli", "--listen", listen_url(backend, "g")]
         if workers is not None:
             argv += ["--workers", ",".join(workers)]
@@ -111,7 +114,7 @@ class Services:
                 argv.append(f"{opt}={','.join(repr(float(b)) for b in v)}")  # "=": values may start with "-"
             else:
                 argv += [opt, str(v)]
-        return self.start(argv)
+        return self.start(argv, timeout=timeout)
 
     def close(self) -> None:
         # SIGTERM all first (they drain in parallel), then wait for each

@@ -117,7 +117,7 @@ try:
 except SecretError as e:
     out["client"] = "secret: " + str(e)
 out["update_cli"] = cli.main(["update", "--gateway", gw, "--timeout", "5", "start", "--experts", "0",
-                              "--version", "9", "--seed", "1"])
+                              "--new-version", "9", "--seed", "1"])
 print(json.dumps(out))
 """
 

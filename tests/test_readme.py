@@ -6,6 +6,9 @@ home (no secret yet). What is substituted, and only that:
   loopback port (fixed ports too, so parallel runs cannot collide), rdma:// becomes tcp://
   (this host has no RDMA device; the rdma suite runs in the rxe guest), shm names get a
   unique suffix, every --metrics-port a free port;
+- the real-model examples' checkpoint (/models/qwen-moe) is a tiny random Qwen2-MoE built
+  here with transformers (no download): 60 routed experts and a shared expert of four
+  pieces, as the example's expert ranges assume;
 - programs: moe-worker, moe-gateway, moe-bench and python3 run from this checkout with this
   interpreter.
 
@@ -38,6 +41,23 @@ PROGRAMS = {"moe-worker": "workers.cli", "moe-gateway": "gateway.cli", "moe-benc
 pytestmark = pytest.mark.timeout(300)
 
 
+CHECKPOINT = "/models/qwen-moe"
+HIDDEN = 32  # the tiny checkpoint's hidden size
+
+
+def tiny_qwen_moe(path: Path) -> Path:
+    from tests.torch_extra import require_torch_extra
+    require_torch_extra()
+    import torch
+
+    from tests import hf_models as hm
+    assert hm.H == HIDDEN
+    # moe_intermediate 16, shared 64: four pieces, ids 60-63 (Qwen1.5-MoE's shape, scaled down)
+    m = hm.model("qwen2_moe", dtype=torch.bfloat16, num_experts=60, shared_expert_intermediate_size=64)
+    m.save_pretrained(str(path))
+    return path
+
+
 def blocks() -> list[tuple[str, str, str]]:
     """(language, code, the section heading above it) for every ```sh / ```python block."""
     out, heading = [], ""
@@ -64,6 +84,7 @@ class Runner:
         self.env = blas_env(1, {k: v for k, v in os.environ.items() if k != "MOE_SECRET_FILE"})
         self.env.update(XDG_CONFIG_HOME=str(tmp / "config"), PYTHONPATH=str(ROOT))
         self.suffix = f"readme{os.getpid()}"
+        self.checkpoint = tiny_qwen_moe(tmp / "qwen-moe")
 
     # -- substitutions -----------------------------------------------------------------------
     def url(self, m: re.Match) -> str:
@@ -75,6 +96,7 @@ class Runner:
         return f"tcp://127.0.0.1:{port}"
 
     def text(self, s: str) -> str:
+        s = s.replace(CHECKPOINT, str(self.checkpoint))
         s = re.sub(r"\b(tcp|rdma)://([\w.]+):(\d+)", self.url, s)
         return re.sub(r"\b(shm)://([\w-]+)()", self.url, s)
 
@@ -168,7 +190,7 @@ class Runner:
 def test_readme_blocks_are_the_ones_this_test_knows():
     """A new block is either run by this test or fails it: no silent skip."""
     langs = [lang for lang, _, _ in blocks()]
-    assert langs.count("python") == 2 and langs.count("sh") >= 5
+    assert langs.count("python") == 3 and langs.count("sh") >= 6
 
 
 def test_every_readme_example_runs_as_written(tmp_path):
@@ -191,12 +213,16 @@ def test_every_readme_example_runs_as_written(tmp_path):
                 # the example's secret file, else the per-user default the services created
                 secret = tmp_path / words[words.index("--secret-file") + 1] if "--secret-file" in words else \
                     tmp_path / "config" / "moe-transport" / "secret"
-                d = 1024 if "tcp://127.0.0.1:5000" in " ".join(words) else 256
-                x = np.ones((4, d), np.float32)
+                if CHECKPOINT in words:  # the real model's: bf16 on the wire (its workers' dtype)
+                    import ml_dtypes
+                    x, layer = np.ones((4, HIDDEN), ml_dtypes.bfloat16), 0
+                else:
+                    d = 1024 if "tcp://127.0.0.1:5000" in " ".join(words) else 256
+                    x, layer = np.ones((4, d), np.float32), None
                 with GatewayClient(url, timeout=30.0, secret_file=str(secret)) as c:
-                    y = c.forward(x)
-                assert y.shape == x.shape and np.isfinite(y).all()
+                    y = c.forward(x, layer=layer)
+                assert y.shape == x.shape and np.isfinite(y.astype(np.float32)).all()
         gateways = [w for w, _, _ in r.services if w[0] == "moe-gateway"]
-        assert len(gateways) == 3 and len(r.services) == 7
+        assert len(gateways) == 5 and len(r.services) == 11
     finally:
         r.close()

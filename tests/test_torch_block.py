@@ -164,6 +164,16 @@ def test_a_bad_reply_is_refused_and_released():
     assert released == [1]
 
 
-def test_url_needs_the_network_client():
-    with pytest.raises(NotImplementedError, match="pass a LayerClient"):
-        replace_moe_blocks(hm.model("mixtral"), "tcp://127.0.0.1:7000")
+def test_an_unreachable_gateway_url_leaves_the_model_local():
+    """A URL is connected first (gateway.client.GatewayClient): when nobody listens there the
+    call fails and no block was replaced (tests/test_models_e2e.py serves real gateways)."""
+    import socket
+
+    import transport
+    m = hm.model("mixtral")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(transport.TransportError):
+        replace_moe_blocks(m, f"tcp://127.0.0.1:{port}", timeout=2.0)
+    assert sorted(hm.moe_blocks(m)) == [0, 1] and not hasattr(m, "moe_client")

@@ -1,6 +1,8 @@
 """``moe-worker``: host experts behind a transport listener.
 
     moe-worker --listen tcp://127.0.0.1:0 --experts 0,1,2,3 --d-model 256 --d-ff 512
+    moe-worker --listen shm://w0 --checkpoint /models/mixtral --layers 0-31 --experts 0-3 \
+               --compute torch --dtype bfloat16
 
 The first stdout line is ``LISTENING <url>`` (the bound URL: a port of 0 replaced), so a
 parent learns where to connect; logs go to stderr. SIGTERM drains and exits 0.
@@ -27,17 +29,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transport URL to listen on: tcp://host:port (port 0: any free one), shm://name, "
                         "rdma://ip:port")
     m = p.add_argument_group("experts")
+    m.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="serve experts of this Hugging Face checkpoint (config.json + *.safetensors); only "
+                        "the listed experts of the listed layers are read")
+    m.add_argument("--layers", default=None, type=options.int_list,
+                   help="with --checkpoint: MoE layers to serve, e.g. 0-23 (default: every MoE layer)")
     m.add_argument("--experts", default=None, type=options.int_list,
-                   help="expert ids to host, e.g. 0,1,2,3 or 0-3 (default: every expert in --weights, else 0)")
+                   help="expert ids to host, e.g. 0,1,2,3 or 0-3 (default: every expert in --weights or of "
+                        "the checkpoint's layers, shared-expert pieces included, else 0); a checkpoint's "
+                        "shared experts are ids n_experts.. like any other")
+    m.add_argument("--compute", default="numpy", choices=["numpy", "torch"],
+                   help="expert kernel: numpy (float32 BLAS) or torch (bf16 where the CPU has bf16 matrix "
+                        "units, else float32; needs the [torch] extra)")
     m.add_argument("--weights", default=None, metavar="NPZ",
                    help=".npz written by SwiGLUExpert.save_many (default: demo weights from --seed)")
     m.add_argument("--d-model", type=int, default=256, help="model width (demo weights)")
     m.add_argument("--d-ff", type=int, default=512, help="expert hidden width (demo weights)")
-    m.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="activation and weight dtype")
+    m.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"],
+                   help="activation dtype on the wire (bfloat16: 2 bytes a value; the kernel converts to its "
+                        "compute dtype where they differ)")
     m.add_argument("--seed", type=int, default=0, help="seed of the demo weights (SwiGLUExpert.from_seed)")
-    m.add_argument("--max-tokens", type=int, default=2048,
+    m.add_argument("--max-tokens", type=int, default=None,
                    help="largest batch accepted, in rows (token-expert assignments); scratch and slots are "
-                        "sized for it at start")
+                        "sized for it at start (default 2048; with --checkpoint, what a gateway's default "
+                        "1024-token batch may send: 1024 x (top-k + shared pieces))")
     m.add_argument("--update-dir", default=None, metavar="DIR",
                    help="hot update reads new weight files only from this directory (default: none, so "
                         "only seed updates)")
@@ -63,18 +78,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_experts(args) -> dict:
-    import numpy as np
+DEFAULT_MAX_ROWS = 2048
+GATEWAY_BATCH_TOKENS = 1024  # moe-gateway's default --max-batch-tokens
 
-    from workers.expert import SwiGLUExpert, npz_expert_ids
 
-    dtype = np.dtype(args.dtype)
-    if args.weights:
-        ids = args.experts or npz_expert_ids(args.weights)
-        return {e: SwiGLUExpert.from_npz(args.weights, e, max_tokens=args.max_tokens, dtype=dtype) for e in ids}
-    ids = args.experts or [0]
-    return {e: SwiGLUExpert.from_seed(e, args.d_model, args.d_ff, seed=args.seed, dtype=dtype,
-                                      max_tokens=args.max_tokens) for e in ids}
+def checkpoint_max_rows(path: str, layers) -> int:
+    """Rows a default gateway's largest batch may send one worker: every token to top-k
+    routed experts and to each shared piece (a worker may host them all)."""
+    from workers.checkpoint import Checkpoint, model_spec
+
+    ms = model_spec(Checkpoint(path))
+    specs = [ms.layer(L) for L in (ms.moe_layers if layers is None else layers)]
+    return GATEWAY_BATCH_TOKENS * max((s.routing.top_k + s.n_shared for s in specs), default=2)
+
+
+def load_experts(args):
+    """workers.loading.Served: the experts these flags name, keyed by (layer, id)."""
+    from workers.expert import npz_expert_ids
+    from workers.loading import checkpoint_experts, demo_experts
+
+    if args.checkpoint:
+        if args.weights:
+            raise ValueError("--checkpoint and --weights are exclusive")
+        if args.max_tokens is None:
+            args.max_tokens = checkpoint_max_rows(args.checkpoint, args.layers)
+        return checkpoint_experts(args.checkpoint, args.layers, args.experts, kind=args.compute, wire=args.dtype,
+                                  max_tokens=args.max_tokens, threads=args.threads)
+    if args.layers:
+        raise ValueError("--layers needs --checkpoint (demo weights are one layer)")
+    args.max_tokens = args.max_tokens or DEFAULT_MAX_ROWS
+    ids = args.experts or (npz_expert_ids(args.weights) if args.weights else [0])
+    return demo_experts(ids, d_model=args.d_model, d_ff=args.d_ff, seed=args.seed, weights=args.weights,
+                        kind=args.compute, wire=args.dtype, max_tokens=args.max_tokens, threads=args.threads)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -100,8 +135,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except OSError as e:  # no writable home (a container): no secret, loopback only
                 log.warning("no shared secret: cannot create the per-user default (%s)", e)
         options.check_exposure(args.listen, secret, args.insecure, "moe-worker")
-        experts = load_experts(args)
-        daemon = WorkerDaemon(experts, args.listen, max_tokens=args.max_tokens, slot_size=args.slot_size,
+        served = load_experts(args)
+        daemon = WorkerDaemon(served.experts, args.listen, fingerprints=served.fingerprints,
+                              checkpoint=served.checkpoint, max_tokens=args.max_tokens, slot_size=args.slot_size,
                               nslots=args.nslots, io_timeout=args.io_timeout,
                               drain_timeout=args.drain_timeout, drain_idle=args.drain_idle,
                               watch_parent=os.getppid() if args.exit_with_parent else None, secret=secret,

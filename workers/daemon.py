@@ -12,6 +12,10 @@ the connections have been quiet for ``drain_idle`` seconds (at most ``drain_time
 
 Control operations (load, retire: workers/versions.py) are accepted only on a connection
 that proved the shared secret (its gateway), and new weights only from ``update_dir``.
+
+Experts are keyed by (layer, id) (workers/loading.py builds them from a checkpoint or demo
+weights); a forward names its layer (absent: layer 0). ``info`` tells the gateway what this
+worker serves: the layers with their ids and fingerprints, the wire dtype, the kernel.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import transport
 from transport.service.connbook import ConnectionBook
 from transport.service.loop import ServeLoop
 from workers import protocol as P
-from workers.expert import SwiGLUExpert
+from workers.loading import describe_expert, layer_table
 from workers.versions import MAX_VERSIONS, Versions
 
 log = logging.getLogger("moe.worker")
@@ -67,9 +71,10 @@ class ExpertCounters:
 
 @dataclass
 class WorkerStats:
-    experts: dict = field(default_factory=dict)  # expert_id -> ExpertCounters
+    experts: dict = field(default_factory=dict)  # (layer, expert_id) -> ExpertCounters
     requests: int = 0
     batches: int = 0
+    serve_seconds: float = 0.0  # forward batches, from the message handed to us to its reply sent
     errors: dict = field(default_factory=dict)  # error code -> count
     connections_accepted: int = 0
     connections_open: int = 0
@@ -78,10 +83,11 @@ class WorkerStats:
         self.errors[code] = self.errors.get(code, 0) + 1
 
     def as_dict(self) -> dict:
-        return {"requests": self.requests, "batches": self.batches, "errors": dict(self.errors),
+        return {"requests": self.requests, "batches": self.batches, "serve_seconds": self.serve_seconds,
+                "errors": dict(self.errors),
                 "connections_accepted": self.connections_accepted,
                 "connections_open": self.connections_open,
-                "experts": [[e, c.as_dict()] for e, c in sorted(self.experts.items())]}
+                "experts": [P.with_layer([e, c.as_dict()], L) for (L, e), c in sorted(self.experts.items())]}
 
 
 def slot_size_for(max_tokens: int, d_model: int, dtype) -> int:
@@ -90,25 +96,41 @@ def slot_size_for(max_tokens: int, d_model: int, dtype) -> int:
     return max(MIN_SLOT_SIZE, max_tokens * d_model * np.dtype(dtype).itemsize)
 
 
-class WorkerDaemon:
-    """Serves ``experts`` (expert_id -> SwiGLUExpert, all with one d_model and dtype)."""
+def _key(k) -> tuple:
+    """An experts key: (layer, id), or a plain id (layer 0)."""
+    return (P.DEFAULT_LAYER, int(k)) if isinstance(k, (int, np.integer)) else (int(k[0]), int(k[1]))
 
-    def __init__(self, experts: Mapping[int, SwiGLUExpert], listen_url: str, *, max_tokens: int = 1024,
+
+class WorkerDaemon:
+    """Serves ``experts`` ((layer, id) or a plain id of layer 0 -> an expert: a demo
+    SwiGLUExpert or a workers.loading.KernelExpert; all with one d_model and wire dtype).
+
+    ``fingerprints``: {layer: the layer's fingerprint} for checkpoint layers (reported in
+    info, checked by the gateway); ``checkpoint``: the checkpoint's own fingerprint."""
+
+    def __init__(self, experts: Mapping, listen_url: str, *, max_tokens: int = 1024,
                  slot_size: Optional[int] = None, nslots: int = 8, io_timeout: float = 10.0,
                  drain_timeout: float = 10.0, drain_idle: float = 0.2,
                  watch_parent: Optional[int] = None, secret: Optional[bytes] = None,
                  update_dir: Optional[str] = None, max_connections: int = 64,
-                 idle_timeout: Optional[float] = None) -> None:
+                 idle_timeout: Optional[float] = None, fingerprints: Optional[Mapping[int, Optional[str]]] = None,
+                 checkpoint: Optional[str] = None) -> None:
         if not experts:
             raise ValueError("a worker needs at least one expert")
+        experts = {_key(k): ex for k, ex in experts.items()}
         first = next(iter(experts.values()))
         for e, ex in experts.items():
-            if (ex.d_model, ex.d_ff, ex.dtype) != (first.d_model, first.d_ff, first.dtype):
-                raise ValueError(f"expert {e} has (d_model, d_ff, dtype) {(ex.d_model, ex.d_ff, ex.dtype)}, "
-                                 f"expert {first.expert_id} {(first.d_model, first.d_ff, first.dtype)}")
+            # d_ff may differ (a shared expert cut in one piece wider than the routed ones)
+            if (ex.d_model, ex.dtype) != (first.d_model, first.dtype):
+                raise ValueError(f"expert {e} has (d_model, dtype) {(ex.d_model, ex.dtype)}, "
+                                 f"expert {first.expert_id} {(first.d_model, first.dtype)}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self.d_model, self.d_ff, self.dtype = first.d_model, first.d_ff, first.dtype
+        self.layers = layer_table(experts)  # layer -> hosted ids
+        self.fingerprints = {L: (fingerprints or {}).get(L) for L in self.layers}
+        self.checkpoint = checkpoint
+        self.kernel = describe_expert(first)
         self.max_tokens = int(max_tokens)
         self.io_timeout = io_timeout
         self.drain_timeout, self.drain_idle = drain_timeout, drain_idle
@@ -131,13 +153,17 @@ class WorkerDaemon:
     # -- what others read ------------------------------------------------------
     @property
     def experts(self) -> dict:
-        """expert id -> the active version's expert"""
+        """(layer, expert id) -> the active version's expert"""
         return self.versions.active
 
     @property
     def held(self) -> dict:
-        """expert id -> {version: expert}"""
+        """(layer, expert id) -> {version: expert}"""
         return self.versions.held
+
+    def expert_ids(self) -> list:
+        """Every hosted id, over all layers."""
+        return sorted({e for ids in self.layers.values() for e in ids})
 
     @property
     def draining(self) -> bool:
@@ -216,11 +242,11 @@ class WorkerDaemon:
                     raise P.RequestError(P.UNAUTHORIZED, f"{op} is a control operation: it needs a connection "
                                                          "that proved the shared secret (--secret-file)")
                 if op == P.LOAD:
-                    done = self.versions.start_load(conn, P.parse_load(header, list(self.experts)))
+                    done = self.versions.start_load(conn, P.parse_load(header, self.layers))
                     if done is not None:
                         self._control_reply(conn, done)
                 else:
-                    self.loop.send(conn, self.versions.retire(rid, *P.parse_retire(header, list(self.experts))))
+                    self.loop.send(conn, self.versions.retire(rid, *P.parse_retire(header, self.layers)))
             else:
                 self.loop.send(conn, self.info(rid))
         except P.RequestError as e:
@@ -240,17 +266,19 @@ class WorkerDaemon:
         self.loop.send(conn, P.error_reply(rid, code, message))
 
     def _forward(self, conn, msg) -> None:
+        t_in = time.perf_counter()
         self.in_flight += 1
         try:
             batch = P.parse_forward(msg.header, [b.nbytes for b in msg.buffers], dtype=self.dtype,
                                     d_model=self.d_model, max_rows=self.max_tokens,
-                                    experts=list(self.experts), need_groups=True)
+                                    layers=self.layers, need_groups=True)
             shape = (batch.rows, self.d_model)
             if batch.nbytes > conn.max_message:
                 raise P.RequestError(P.OVERSIZED, f"the reply ({batch.nbytes} bytes) exceeds this "
                                                   f"connection's slot size ({conn.max_message})")
             x = msg.array(0, self.dtype, shape) if batch.rows else np.empty(shape, self.dtype)
-            kernels = self.versions.pick(batch.groups)  # RequestError for a version not held
+            layer = batch.layer
+            kernels = self.versions.pick(layer, batch.groups)  # RequestError for a version not held
 
             def compute(view: memoryview) -> dict:
                 y = np.frombuffer(view, dtype=self.dtype, count=batch.rows * self.d_model).reshape(shape)
@@ -259,7 +287,7 @@ class WorkerDaemon:
                 for (e, start, count, _), ex in zip(batch.groups, kernels):
                     if count == 0:
                         continue
-                    c = self.stats.experts[e]
+                    c = self.stats.experts[(layer, e)]
                     t = time.perf_counter()
                     try:
                         ex.forward(x[start:start + count], y[start:start + count])
@@ -282,16 +310,21 @@ class WorkerDaemon:
 
             self.loop.reply(conn, batch.nbytes, compute)
             self.stats.batches += 1
+            self.stats.serve_seconds += time.perf_counter() - t_in
         finally:
             msg.release()
             self.in_flight -= 1
 
     def info(self, rid: Optional[int]) -> dict:
-        return {"op": P.INFO, "id": rid, "experts": sorted(self.experts), "versions": self.versions.table(),
-                "d_model": self.d_model, "d_ff": self.d_ff, "dtype": self.dtype.name,
-                "max_tokens": self.max_tokens, "pid": os.getpid(), "url": self.url}
+        h = {"op": P.INFO, "id": rid, "experts": self.expert_ids(), "versions": self.versions.table(),
+             "layers": [[L, ids, self.fingerprints.get(L)] for L, ids in self.layers.items()],
+             "d_model": self.d_model, "d_ff": self.d_ff, "dtype": P.dtype_name(self.dtype),
+             "max_tokens": self.max_tokens, "pid": os.getpid(), "url": self.url, "kernel": self.kernel}
+        if self.checkpoint is not None:
+            h["checkpoint"] = self.checkpoint
+        return h
 
     def pong(self, rid: Optional[int]) -> dict:
-        return {"op": P.PONG, "id": rid, "experts": sorted(self.experts), "versions": self.versions.table(),
+        return {"op": P.PONG, "id": rid, "experts": self.expert_ids(), "versions": self.versions.table(),
                 "in_flight": self.in_flight, "draining": self._draining, "counters": self.stats.as_dict(),
                 "cpu_s": time.process_time(), "pid": os.getpid()}

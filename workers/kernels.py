@@ -23,6 +23,11 @@ GEMM. Activations: (n, d_model) arrays in float32, float64 (numpy kernel), float
 ``threads`` is process-wide (BLAS's pool via threadpoolctl for numpy,
 torch.set_num_threads for torch): a worker process runs one kernel kind, one thread
 unless told otherwise.
+
+``scratch`` (a :class:`Scratch`, optional): kernels that never run at the same time (a
+worker's serve loop runs one expert at a time) share their intermediates, so a worker
+serving many layers' experts holds one set sized for the largest batch, not one per kernel
+(24 layers x 4 experts of a 2048-wide model would otherwise hold ~7 GB of scratch).
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ import numpy as np
 from workers import bf16
 
 __all__ = ["Kernel", "NumpySwiGLU", "TorchSwiGLU", "make_kernel", "KINDS", "cpu_bf16_matmul",
-           "torch_compute_dtype"]
+           "torch_compute_dtype", "Scratch"]
 
 KINDS = ("numpy", "torch")
 ACTIVATIONS = ("silu",)
@@ -51,6 +56,38 @@ class Kernel(Protocol):
 
     def describe(self) -> dict[str, Any]:
         """{"kernel", "dtype", "threads", "d_model", "d_ff", ...} for info and /metrics."""
+
+
+class Scratch:
+    """Intermediate buffers shared by kernels that never run at the same time (not thread
+    safe by design: one serve loop, one expert at a time). Each named buffer is as large as
+    the largest request; a request for more replaces it (once; the old one lives on in any
+    view still held), so the steady state allocates nothing."""
+
+    def __init__(self) -> None:
+        self._bufs: dict = {}
+
+    ALIGN = 64  # what torch's CPU allocator gives its tensors (numpy's large arrays: 16)
+
+    def reserve(self, key: Any, nbytes: int) -> None:
+        buf = self._bufs.get(key)
+        if buf is None or buf.nbytes < nbytes:
+            raw = np.empty(max(1, int(nbytes)) + self.ALIGN, np.uint8)
+            off = -raw.ctypes.data % self.ALIGN
+            self._bufs[key] = raw[off:off + max(1, int(nbytes))]
+
+    def raw(self, key: Any, nbytes: int) -> np.ndarray:
+        """The first ``nbytes`` of buffer ``key`` (uint8)."""
+        self.reserve(key, nbytes)
+        return self._bufs[key][:nbytes]
+
+    def array(self, key: Any, shape: tuple, dtype: Any) -> np.ndarray:
+        dt = np.dtype(dtype)
+        return self.raw((key, dt.str), int(np.prod(shape)) * dt.itemsize).view(dt).reshape(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._bufs.values())
 
 
 def _weights_f32(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -95,7 +132,8 @@ class NumpySwiGLU:
     kind = "numpy"
 
     def __init__(self, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, *,
-                 dtype: object = np.float32, max_tokens: int = 256, threads: int | None = None) -> None:
+                 dtype: object = np.float32, max_tokens: int = 256, threads: int | None = None,
+                 scratch: Scratch | None = None) -> None:
         dt = np.dtype(dtype)
         if dt not in (np.float32, np.float64):
             raise ValueError(f"the numpy kernel computes in float32 or float64, not {bf16.dtype_name(dt)}")
@@ -109,14 +147,28 @@ class NumpySwiGLU:
         self._wd = np.ascontiguousarray(_weights_f32(w_down, dt))
         if threads is not None:
             _limit_blas(threads)
+        self._scratch = scratch
         self._alloc(max(0, int(max_tokens)))
+
+    def _shapes(self, n: int) -> dict:
+        return {"h": ((n, 2 * self.d_ff), self.dtype),  # gate and up, side by side
+                "x": ((n, self.d_model), self.dtype),  # converted input (bf16 or other dtype)
+                "y": ((n, self.d_model), self.dtype),  # output before its conversion
+                "bits": ((n * self.d_model,), np.dtype(np.uint32))}  # float32 -> bf16 scratch
 
     def _alloc(self, n: int) -> None:
         self.max_tokens = n
-        self._h = np.empty((n, 2 * self.d_ff), self.dtype)
-        self._x = np.empty((n, self.d_model), self.dtype)  # converted input (bf16 or other dtype)
-        self._y = np.empty((n, self.d_model), self.dtype)  # output before its conversion
-        self._bits = np.empty(n * self.d_model, np.uint32)  # float32 -> bf16 scratch
+        if self._scratch is not None:  # shared: reserve room, hold nothing of our own
+            for k, (shape, dt) in self._shapes(n).items():
+                self._scratch.reserve((("numpy", k), dt.str), int(np.prod(shape)) * dt.itemsize)
+            return
+        self._h, self._x, self._y, self._bits = (np.empty(shape, dt) for shape, dt in self._shapes(n).values())
+
+    def _buf(self, name: str, n: int) -> np.ndarray:
+        if self._scratch is None:
+            return getattr(self, "_" + name)[:n] if name != "bits" else self._bits[:n * self.d_model]
+        shape, dt = self._shapes(n)[name]
+        return self._scratch.array(("numpy", name), shape, dt)
 
     def forward(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """y into ``out``; x and out may be the same array (x is consumed first).
@@ -125,7 +177,7 @@ class NumpySwiGLU:
         if n > self.max_tokens:
             self._alloc(n)
         if x.dtype != self.dtype:
-            xs = self._x[:n]
+            xs = self._buf("x", n)
             if bf16.is_bf16(x.dtype):
                 if self.dtype == np.float32:
                     bf16.to_float32(x, out=xs)
@@ -134,7 +186,7 @@ class NumpySwiGLU:
             else:
                 np.copyto(xs, x, casting="same_kind")
             x = xs
-        h = self._h[:n]
+        h = self._buf("h", n)
         I = self.d_ff
         np.matmul(x, self._wgu.T, out=h)
         g, u = h[:, :I], h[:, I:]
@@ -148,12 +200,12 @@ class NumpySwiGLU:
         if out.dtype == self.dtype:
             np.matmul(u, self._wd.T, out=out)  # u: rows 2*d_ff apart, still one BLAS call
         else:
-            y = self._y[:n]
+            y = self._buf("y", n)
             np.matmul(u, self._wd.T, out=y)
             if bf16.is_bf16(out.dtype):
                 if self.dtype != np.float32:
                     y = y.astype(np.float32)
-                bf16.from_float32(y, out=out, scratch=self._bits)
+                bf16.from_float32(y, out=out, scratch=self._buf("bits", n))
             else:
                 np.copyto(out, y, casting="same_kind")
         return out
@@ -201,7 +253,8 @@ class TorchSwiGLU:
     kind = "torch"
 
     def __init__(self, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, *,
-                 dtype: str = "bfloat16", max_tokens: int = 256, threads: int | None = 1) -> None:
+                 dtype: str = "bfloat16", max_tokens: int = 256, threads: int | None = 1,
+                 scratch: Scratch | None = None) -> None:
         torch = self._torch = _torch()
         name = bf16.dtype_name(dtype) if not isinstance(dtype, str) else dtype
         if name not in _TORCH_DTYPES:
@@ -215,6 +268,7 @@ class TorchSwiGLU:
         # Weights: converted once at load (bf16 bits are taken as they are, no rounding).
         self._wgu = torch.cat([self._weight(w_gate), self._weight(w_up)]).contiguous()
         self._wd = self._weight(w_down).contiguous()
+        self._scratch = scratch
         self._alloc(max(0, int(max_tokens)))
 
     def _weight(self, a: np.ndarray) -> Any:
@@ -227,12 +281,27 @@ class TorchSwiGLU:
             raise ValueError(f"weights must be floating point or bf16, got {a.dtype}")
         return t.to(self.dtype)
 
+    def _widths(self) -> dict:
+        return {"h": 2 * self.d_ff, "x": self.d_model, "y": self.d_model}
+
     def _alloc(self, n: int) -> None:
         torch = self._torch
         self.max_tokens = n
-        self._h = torch.empty((n, 2 * self.d_ff), dtype=self.dtype)
-        self._x = torch.empty((n, self.d_model), dtype=self.dtype)
-        self._y = torch.empty((n, self.d_model), dtype=self.dtype)
+        if self._scratch is not None:  # shared: reserve room, hold nothing of our own
+            size = torch.empty((), dtype=self.dtype).element_size()
+            for k, w in self._widths().items():
+                self._scratch.reserve(("torch", k, self.dtype_name), n * w * size)
+            return
+        self._h, self._x, self._y = (torch.empty((n, w), dtype=self.dtype) for w in self._widths().values())
+
+    def _buf(self, name: str, n: int) -> Any:
+        if self._scratch is None:
+            return getattr(self, "_" + name)[:n]
+        torch = self._torch
+        w = self._widths()[name]
+        size = torch.empty((), dtype=self.dtype).element_size()
+        raw = self._scratch.raw(("torch", name, self.dtype_name), n * w * size)
+        return torch.from_numpy(raw).view(self.dtype).view(n, w)
 
     def forward(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """y into ``out`` (a tensor over its memory). x and out may be the same array."""
@@ -242,8 +311,8 @@ class TorchSwiGLU:
             self._alloc(n)
         xt = _tensor_view(torch, x)
         if xt.dtype != self.dtype:
-            xt = self._x[:n].copy_(xt)
-        h = self._h[:n]
+            xt = self._buf("x", n).copy_(xt)  # the one conversion in: wire dtype -> compute dtype
+        h = self._buf("h", n)
         torch.mm(xt, self._wgu.t(), out=h)
         g, u = h[:, : self.d_ff], h[:, self.d_ff:]
         torch.nn.functional.silu(g, inplace=True)
@@ -252,8 +321,9 @@ class TorchSwiGLU:
         if ot.dtype == self.dtype:
             torch.mm(g, self._wd.t(), out=ot)
         else:
-            torch.mm(g, self._wd.t(), out=self._y[:n])
-            ot.copy_(self._y[:n])
+            y = self._buf("y", n)
+            torch.mm(g, self._wd.t(), out=y)
+            ot.copy_(y)  # the one conversion out, straight into the reply slot
         return out
 
     def describe(self) -> dict[str, Any]:
@@ -262,17 +332,20 @@ class TorchSwiGLU:
 
 
 def make_kernel(kind: str, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, dtype: object = "float32",
-                max_tokens: int = 256, threads: int | None = 1, activation: str = "silu") -> Kernel:
+                max_tokens: int = 256, threads: int | None = 1, activation: str = "silu",
+                scratch: Scratch | None = None) -> Kernel:
     """The kernel ``kind`` ("numpy" | "torch") over these weights, computing in ``dtype``
     ("float32"; "bfloat16"/"float16" for torch). ``threads``: process-wide intra-op/BLAS
-    threads (None: leave as is)."""
+    threads (None: leave as is). ``scratch``: shared intermediates (see :class:`Scratch`)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not supported; SwiGLU kernels use {ACTIVATIONS}")
     if kind == "numpy":
-        return NumpySwiGLU(w_gate, w_up, w_down, dtype=dtype, max_tokens=max_tokens, threads=threads)
+        return NumpySwiGLU(w_gate, w_up, w_down, dtype=dtype, max_tokens=max_tokens, threads=threads,
+                           scratch=scratch)
     if kind == "torch":
         name = dtype if isinstance(dtype, str) else bf16.dtype_name(dtype)
-        return TorchSwiGLU(w_gate, w_up, w_down, dtype=name, max_tokens=max_tokens, threads=threads)
+        return TorchSwiGLU(w_gate, w_up, w_down, dtype=name, max_tokens=max_tokens, threads=threads,
+                           scratch=scratch)
     raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
 
 

@@ -11,14 +11,16 @@ from __future__ import annotations
 from typing import Iterable
 
 from workers.checkpoint import Checkpoint, LayerSpec, load_experts
-from workers.kernels import Kernel, make_kernel
+from workers.kernels import Kernel, Scratch, make_kernel
 
 __all__ = ["load_expert_kernels"]
 
 
 def load_expert_kernels(ckpt: Checkpoint, spec: LayerSpec, expert_ids: Iterable[int], *, kind: str = "numpy",
-                        dtype: object = "float32", max_tokens: int = 256, threads: int | None = 1
-                        ) -> dict[int, Kernel]:
+                        dtype: object = "float32", max_tokens: int = 256, threads: int | None = 1,
+                        scratch: Scratch | None = None) -> dict[int, Kernel]:
+    """``scratch``: intermediates shared by these kernels (and any others given the same
+    one); only for kernels that never run at the same time, as in a worker."""
     return {e: make_kernel(kind, w.w_gate, w.w_up, w.w_down, dtype=dtype, max_tokens=max_tokens, threads=threads,
-                           activation=spec.activation)
+                           activation=spec.activation, scratch=scratch)
             for e, w in load_experts(ckpt, spec, expert_ids).items()}

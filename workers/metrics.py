@@ -21,17 +21,18 @@ _LE = [floatToGoString(b) for b in COMPUTE_BUCKETS] + ["+Inf"]  # as prometheus_
 
 def worker_families(daemon) -> list:
     st = daemon.stats
-    experts = sorted(list(st.experts.items()))
-    tok = CounterMetricFamily("moe_expert_tokens", "Tokens (rows) computed per expert", labels=["expert"])
-    bat = CounterMetricFamily("moe_expert_batches", "Expert groups computed per expert", labels=["expert"])
-    err = CounterMetricFamily("moe_expert_errors", "Compute failures per expert", labels=["expert"])
+    experts = sorted(list(st.experts.items()))  # keyed by (layer, expert id)
+    el = ["expert", "layer"]
+    tok = CounterMetricFamily("moe_expert_tokens", "Tokens (rows) computed per expert", labels=el)
+    bat = CounterMetricFamily("moe_expert_batches", "Expert groups computed per expert", labels=el)
+    err = CounterMetricFamily("moe_expert_errors", "Compute failures per expert", labels=el)
     cs = HistogramMetricFamily("moe_expert_compute_seconds", "Compute time of one expert group (count = "
-                               "batches); a histogram, so it aggregates across workers", labels=["expert"])
-    ver = GaugeMetricFamily("moe_expert_version", "Active weights version per expert", labels=["expert"])
+                               "batches); a histogram, so it aggregates across workers", labels=el)
+    ver = GaugeMetricFamily("moe_expert_version", "Active weights version per expert", labels=el)
     held = GaugeMetricFamily("moe_expert_version_held", "1 per weights version held (hot update: two)",
-                             labels=["expert", "version"])
-    for e, c in experts:
-        lv = [str(e)]
+                             labels=el + ["version"])
+    for (L, e), c in experts:
+        lv = [str(e), str(L)]
         tok.add_metric(lv, c.tokens)
         bat.add_metric(lv, c.batches)
         err.add_metric(lv, c.errors)
@@ -40,11 +41,17 @@ def worker_families(daemon) -> list:
             cum += n
             buckets.append((le, cum))
         cs.add_metric(lv, buckets, sum_value=c.compute_seconds)
-        ex = daemon.experts.get(e)
+        ex = daemon.experts.get((L, e))
         ver.add_metric(lv, getattr(ex, "version", 0) if ex is not None else 0)
-        for v in sorted(list(getattr(daemon, "held", {}).get(e, {}))):
-            held.add_metric([str(e), str(v)], 1)
+        for v in sorted(list(getattr(daemon, "held", {}).get((L, e), {}))):
+            held.add_metric(lv + [str(v)], 1)
     fams = [tok, bat, err, cs, ver, held]
+    k = dict(getattr(daemon, "kernel", {}) or {})
+    kl = ["kernel", "dtype", "wire_dtype", "threads"]
+    kin = GaugeMetricFamily("moe_worker_kernel_info", "The experts' compute kernel: kind, compute dtype, "
+                            "wire (activation) dtype, intra-op threads (value 1)", labels=kl)
+    kin.add_metric([str(k.get(n, "")) for n in kl], 1)
+    fams.append(kin)
     fams.append(GaugeMetricFamily("moe_worker_in_flight", "Batches received and not yet answered",
                                   value=daemon.in_flight))
     fams.append(GaugeMetricFamily("moe_worker_queue_depth", "Batches waiting in this worker (received, "

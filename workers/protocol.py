@@ -9,14 +9,16 @@ slot) described by ``dtype`` and ``shape``; it is never in the header.
 
 Requests and their replies::
 
-    info     {op, id}                               -> info  {experts, versions, d_model,
-                                                              d_ff, dtype, max_tokens, pid}
+    info     {op, id}                               -> info  {experts, layers, versions, d_model,
+                                                              d_ff, dtype, max_tokens, pid, kernel,
+                                                              checkpoint?}
     ping     {op, id}                               -> pong  {experts, versions, in_flight,
                                                               draining, counters}
-    forward  {op, id, dtype, shape, groups?}  [x]   -> result {id, dtype, shape, compute_s,
+    forward  {op, id, dtype, shape, layer?, groups?}  [x]   -> result {id, dtype, shape, compute_s,
                                                                timing?, versions?}  [y]
-    load     {op, id, expert, version, weights | seed}  -> loaded  {id, expert, version}
-    retire   {op, id, expert, version}              -> retired {id, expert, version, active}
+    load     {op, id, expert, version, layer?, weights | seed | checkpoint, fingerprint?}
+                                                    -> loaded  {id, expert, version, layer?}
+    retire   {op, id, expert, version, layer?}      -> retired {id, expert, version, active, layer?}
     update   {op, id, action, ...}  (gateway only)  -> update  {id, status}
     any bad request                                 -> error {id, code, message}
 
@@ -31,13 +33,29 @@ that starts draining (SIGTERM) sends an unsolicited ``{op: "draining"}`` on ever
 connection. ``versions`` in info and pong is [[expert, active, [held, ...]], ...].
 Header values are plain ints, floats, strings and lists (no int-keyed maps), so any
 msgpack implementation on any backend decodes them alike.
+
+Layers: a worker or gateway serving a checkpoint serves several MoE layers of one model;
+experts are keyed by (layer, id) and ``layer`` travels in forward, load and retire (absent:
+``DEFAULT_LAYER``, 0, the one layer of the demo mode). Shared-expert pieces are ids like any
+other (n_experts ..). ``layers`` in info is [[layer, [ids], fingerprint or None], ...] (the
+fingerprint: workers.checkpoint.layer_fingerprint of the layer the worker read, None for demo
+weights); ``experts`` is the union of the ids over layers. Entries of ``versions`` (info and
+pong) and of ``counters.experts`` carry their layer as a trailing element when it is not 0:
+[expert, active, [held], layer]. ``kernel`` in info is the experts' kernel as
+``Kernel.describe()`` reports it, with ``wire_dtype``.
+
+dtypes: float32, float64, float16 and bfloat16 (activations as bf16 on the wire: 2 bytes a
+value; in numpy an ml_dtypes.bfloat16 array, or uint16 bits where ml_dtypes is absent; the
+header says "bfloat16" either way, see :func:`dtype_name`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional, Sequence
 
 import numpy as np
+
+from workers import bf16
 
 # ops
 INFO = "info"
@@ -60,6 +78,7 @@ BAD_DTYPE = "bad_dtype"
 BAD_SHAPE = "bad_shape"  # shape malformed, wrong d_model, or payload size mismatch
 BAD_GROUPS = "bad_groups"  # groups do not tile the rows
 UNKNOWN_EXPERT = "unknown_expert"
+UNKNOWN_LAYER = "unknown_layer"  # a request names a layer not served here
 UNKNOWN_VERSION = "unknown_version"  # a forward or retire names a version not held here
 LOAD_FAILED = "load_failed"  # the weights of a load could not be read or do not fit
 OVERSIZED = "oversized"  # more rows than the peer accepts in one batch
@@ -68,7 +87,8 @@ UNAVAILABLE = "unavailable"  # gateway: no healthy worker hosts an expert the ba
 UNAUTHORIZED = "unauthorized"  # a control operation on a connection that did not prove the secret
 INTERNAL = "internal"
 
-DTYPES = ("float32", "float64", "float16")
+DTYPES = ("float32", "float64", "float16", bf16.BF16_NAME)
+DEFAULT_LAYER = 0  # the layer of a request that names none (the demo mode's one layer)
 MAX_GROUPS = 8192  # bounds the header (the transport caps headers at 64 KiB)
 
 
@@ -91,6 +111,28 @@ class RemoteError(RuntimeError):
         self.peer = peer
 
 
+def dtype_name(dtype: Any) -> str:
+    """The header's name of an activation dtype: "bfloat16" for either numpy
+    representation of bf16 (a uint16 array's numpy name is "uint16"), else numpy's name."""
+    return bf16.dtype_name(dtype)
+
+
+def wire_dtype(name: str) -> np.dtype:
+    """The numpy dtype activations named ``name`` are viewed as (bf16: ml_dtypes.bfloat16,
+    or uint16 bits without ml_dtypes)."""
+    return bf16.wire_dtype(name)
+
+
+def with_layer(entry: list, layer: int) -> list:
+    """A versions/counters entry, its layer appended when it is not the default one."""
+    return entry + [int(layer)] if layer != DEFAULT_LAYER else entry
+
+
+def entry_layer(entry: Sequence, n: int) -> int:
+    """The layer of an entry of ``n`` fields written by :func:`with_layer`."""
+    return int(entry[n]) if len(entry) > n else DEFAULT_LAYER
+
+
 # -- building headers ----------------------------------------------------------
 
 def request(op: str, request_id: int, **fields: Any) -> dict:
@@ -98,15 +140,17 @@ def request(op: str, request_id: int, **fields: Any) -> dict:
 
 
 def forward_request(request_id: int, array_shape: Sequence[int], dtype: Any,
-                    groups: Optional[Sequence[Sequence[int]]] = None) -> dict:
-    h = request(FORWARD, request_id, dtype=np.dtype(dtype).name, shape=[int(n) for n in array_shape])
+                    groups: Optional[Sequence[Sequence[int]]] = None, layer: Optional[int] = None) -> dict:
+    h = request(FORWARD, request_id, dtype=dtype_name(dtype), shape=[int(n) for n in array_shape])
+    if layer is not None and layer != DEFAULT_LAYER:
+        h["layer"] = int(layer)
     if groups is not None:
         h["groups"] = [[int(v) for v in g] for g in groups]  # [expert, start, count(, version)]
     return h
 
 
 def result_reply(request_id: int, array_shape: Sequence[int], dtype: Any, **fields: Any) -> dict:
-    return {"op": RESULT, "id": int(request_id), "dtype": np.dtype(dtype).name,
+    return {"op": RESULT, "id": int(request_id), "dtype": dtype_name(dtype),
             "shape": [int(n) for n in array_shape], **fields}
 
 
@@ -150,6 +194,7 @@ class ForwardBatch:
     rows: int
     d_model: int
     groups: Optional[list]  # [(expert_id, start, count)], workers only
+    layer: int = DEFAULT_LAYER
 
     @property
     def nbytes(self) -> int:
@@ -158,16 +203,27 @@ class ForwardBatch:
 
 def parse_forward(header: dict, buffer_sizes: Sequence[int], *, dtype: np.dtype, d_model: int,
                   max_rows: int, experts: Optional[Sequence[int]] = None,
-                  need_groups: bool = False) -> ForwardBatch:
+                  need_groups: bool = False,
+                  layers: Optional[Collection[int] | Mapping[int, Collection[int]]] = None) -> ForwardBatch:
     """Check a forward request against what this endpoint serves, or raise RequestError.
 
     ``buffer_sizes`` are the byte sizes of the message's buffers (exactly one expected);
-    ``experts`` (workers) are the expert ids hosted here; ``max_rows`` the largest batch.
+    ``experts`` (workers) are the expert ids hosted here; ``max_rows`` the largest batch;
+    ``layers`` (when given) the layers served here (a gateway), or each mapped to its hosted
+    expert ids (a worker): the request's layer must be one of them.
     """
     rid = request_id_of(header)
     name = header.get("dtype")
-    if name not in DTYPES or np.dtype(name) != dtype:
-        raise RequestError(BAD_DTYPE, f"dtype {name!r} is not served here; send {dtype.name}")
+    if name not in DTYPES or name != dtype_name(dtype):
+        raise RequestError(BAD_DTYPE, f"dtype {name!r} is not served here; send {dtype_name(dtype)}")
+    layer = header.get("layer", DEFAULT_LAYER)
+    if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+        raise RequestError(BAD_REQUEST, f"layer must be an integer >= 0, got {layer!r}")
+    if layers is not None:
+        if layer not in layers:
+            raise RequestError(UNKNOWN_LAYER, f"layer {layer} is not served here (layers: {sorted(layers)})")
+        if experts is None and isinstance(layers, Mapping):
+            experts = layers[layer]
     shape = header.get("shape")
     if not (isinstance(shape, list) and len(shape) == 2
             and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
@@ -180,12 +236,12 @@ def parse_forward(header: dict, buffer_sizes: Sequence[int], *, dtype: np.dtype,
     want = rows * d * dtype.itemsize
     got = sum(buffer_sizes)
     if len(buffer_sizes) > 1 or got != want:
-        raise RequestError(BAD_SHAPE, f"shape {shape} of {dtype.name} needs one buffer of {want} bytes, "
+        raise RequestError(BAD_SHAPE, f"shape {shape} of {dtype_name(dtype)} needs one buffer of {want} bytes, "
                                       f"got {list(buffer_sizes)}")
     groups = None
     if need_groups or "groups" in header:
         groups = _parse_groups(header.get("groups"), rows, experts)
-    return ForwardBatch(rid, dtype, rows, d, groups)
+    return ForwardBatch(rid, dtype, rows, d, groups, layer)
 
 
 def _parse_groups(groups: Any, rows: int, experts: Optional[Sequence[int]]) -> list:
@@ -219,32 +275,59 @@ def _int_field(header: dict, key: str, minimum: int = 0) -> int:
 
 @dataclass(frozen=True)
 class LoadRequest:
-    """Stage ``version`` of ``expert`` from an .npz file (``weights``) or a seed."""
+    """Stage ``version`` of expert ``expert`` of ``layer`` from an .npz file (``weights``), a
+    seed, or a checkpoint directory (``checkpoint``: that expert id of that layer, whose
+    layer fingerprint must equal ``fingerprint`` when one is given)."""
 
     request_id: int
     expert: int
     version: int
     weights: Optional[str]
     seed: Optional[int]
+    layer: int = DEFAULT_LAYER
+    checkpoint: Optional[str] = None
+    fingerprint: Optional[str] = None
 
 
-def parse_load(header: dict, experts: Sequence[int]) -> LoadRequest:
+def _hosted(layers: Any) -> Mapping[int, Collection[int]]:
+    """``layers``: {layer: expert ids}, or a plain list of ids (the default layer's)."""
+    return layers if isinstance(layers, Mapping) else {DEFAULT_LAYER: list(layers)}
+
+
+def _layer_expert(header: dict, layers: Any) -> tuple[int, int]:
+    hosted = _hosted(layers)
+    layer = header.get("layer", DEFAULT_LAYER)
+    if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+        raise RequestError(BAD_REQUEST, f"{header.get('op')} needs an integer layer >= 0, got {layer!r}")
+    if layer not in hosted:
+        raise RequestError(UNKNOWN_LAYER, f"layer {layer} is not served here (layers: {sorted(hosted)})")
     e = _int_field(header, "expert")
-    if e not in experts:
-        raise RequestError(UNKNOWN_EXPERT, f"expert {e} is not hosted here (hosted: {sorted(experts)})")
+    if e not in hosted[layer]:
+        raise RequestError(UNKNOWN_EXPERT, f"expert {e} of layer {layer} is not hosted here "
+                                           f"(hosted: {sorted(hosted[layer])})")
+    return layer, e
+
+
+def parse_load(header: dict, layers: Any) -> LoadRequest:
+    """``layers``: {layer: hosted expert ids} (or the default layer's ids as a list)."""
+    layer, e = _layer_expert(header, layers)
     version = _int_field(header, "version")
-    weights, seed = header.get("weights"), header.get("seed")
-    if (weights is None) == (seed is None):
-        raise RequestError(BAD_REQUEST, "load needs exactly one of weights (an .npz path) or seed")
-    if weights is not None and not (isinstance(weights, str) and weights):
-        raise RequestError(BAD_REQUEST, f"weights must be a file path, got {weights!r}")
+    weights, seed, ckpt = header.get("weights"), header.get("seed"), header.get("checkpoint")
+    if sum(v is not None for v in (weights, seed, ckpt)) != 1:
+        raise RequestError(BAD_REQUEST, "load needs exactly one of weights (an .npz path), seed or checkpoint "
+                                        "(a checkpoint directory)")
+    for name, v in (("weights", weights), ("checkpoint", ckpt)):
+        if v is not None and not (isinstance(v, str) and v):
+            raise RequestError(BAD_REQUEST, f"{name} must be a path, got {v!r}")
     if seed is not None:
         seed = _int_field(header, "seed")
-    return LoadRequest(request_id_of(header), e, version, weights, seed)
+    fp = header.get("fingerprint")
+    if fp is not None and not isinstance(fp, str):
+        raise RequestError(BAD_REQUEST, f"fingerprint must be a string, got {fp!r}")
+    return LoadRequest(request_id_of(header), e, version, weights, seed, layer, ckpt, fp)
 
 
-def parse_retire(header: dict, experts: Sequence[int]) -> tuple[int, int]:
-    e = _int_field(header, "expert")
-    if e not in experts:
-        raise RequestError(UNKNOWN_EXPERT, f"expert {e} is not hosted here (hosted: {sorted(experts)})")
-    return e, _int_field(header, "version")
+def parse_retire(header: dict, layers: Any) -> tuple[int, int, int]:
+    """(expert, version, layer) of a retire request."""
+    layer, e = _layer_expert(header, layers)
+    return e, _int_field(header, "version"), layer

@@ -6,6 +6,10 @@ a forward group may pin either version (``pick``); ``retire`` drops one, and ret
 active one makes the other active. The loop never waits for a load: the loader hands the
 result back through ``post`` (the serve loop's call_soon_threadsafe).
 
+Experts are keyed by (layer, id). A new version comes from a seed, an .npz file or a
+checkpoint directory (that layer's expert id; ``workers.loading.build_version``), and is the
+same kind of object as the version it sits beside (a demo SwiGLUExpert, or a kernel).
+
 New weights are read only from ``update_dir`` (a path that resolves outside it is refused
 with the same answer as a missing file, so a caller cannot probe the worker's files).
 """
@@ -19,7 +23,7 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 
 from workers import protocol as P
-from workers.expert import SwiGLUExpert
+from workers.loading import build_version
 
 log = logging.getLogger("moe.worker")
 
@@ -27,33 +31,34 @@ MAX_VERSIONS = 2  # versions held per expert: the active one and one being rolle
 
 
 class Versions:
-    def __init__(self, experts: Mapping[int, SwiGLUExpert], *, max_tokens: int, dtype: np.dtype,
+    def __init__(self, experts: Mapping[tuple, Any], *, max_tokens: int, dtype: np.dtype,
                  update_dir: Optional[str], post: Callable[[Callable[[], None]], None],
                  reply: Callable[[Any, dict], None]) -> None:
-        self.active = dict(experts)  # expert id -> the active version
-        self.held = {e: {ex.version: ex} for e, ex in self.active.items()}  # id -> version -> expert
+        self.active = dict(experts)  # (layer, expert id) -> the active version
+        self.held = {k: {ex.version: ex} for k, ex in self.active.items()}  # (layer, id) -> version -> expert
         self.max_tokens = max_tokens
         self.dtype = dtype
         self.update_dir = os.path.realpath(update_dir) if update_dir else None
         self._post = post
-        self._loading: dict = {}  # (expert, version) -> the connection that asked
+        self._loading: dict = {}  # (layer, expert, version) -> the connection that asked
         self._reply = reply  # (connection, reply header): how a finished load is answered
 
     def table(self) -> list:
-        """[[expert, active version, [held versions]], ...]"""
-        return [[e, ex.version, sorted(self.held[e])] for e, ex in sorted(self.active.items())]
+        """[[expert, active version, [held versions](, layer)], ...] (protocol.with_layer)"""
+        return [P.with_layer([e, ex.version, sorted(self.held[(L, e)])], L)
+                for (L, e), ex in sorted(self.active.items())]
 
-    def pick(self, groups: list) -> list:
+    def pick(self, layer: int, groups: list) -> list:
         """The expert object serving each forward group (its pinned version, or the active one)."""
         out = []
         for e, _, count, v in groups:
             if v is None or not count:
-                out.append(self.active[e])
+                out.append(self.active[(layer, e)])
                 continue
-            ex = self.held[e].get(v)
+            ex = self.held[(layer, e)].get(v)
             if ex is None:
-                raise P.RequestError(P.UNKNOWN_VERSION, f"expert {e} has no version {v} here "
-                                                        f"(held: {sorted(self.held[e])})")
+                raise P.RequestError(P.UNKNOWN_VERSION, f"expert {e} of layer {layer} has no version {v} here "
+                                                        f"(held: {sorted(self.held[(layer, e)])})")
             out.append(ex)
         return out
 
@@ -64,76 +69,86 @@ class Versions:
                 self._loading[key] = None
 
     # -- load ------------------------------------------------------------------
-    def weights_path(self, name: str) -> str:
-        """``name`` resolved inside update_dir, or RequestError (the same for every refusal)."""
-        refuse = P.RequestError(P.LOAD_FAILED, f"cannot load weights {name!r}: not a readable .npz file in "
+    def weights_path(self, name: str, directory: bool = False) -> str:
+        """``name`` resolved inside update_dir, or RequestError (the same for every refusal).
+        ``directory``: a checkpoint directory rather than an .npz file."""
+        what = "checkpoint directory" if directory else ".npz file"
+        refuse = P.RequestError(P.LOAD_FAILED, f"cannot load weights {name!r}: not a readable {what} in "
                                                "the worker's update directory")
         if self.update_dir is None:
             raise P.RequestError(P.LOAD_FAILED, "this worker accepts no weight files: start it with "
                                                 "--update-dir DIR to allow loads from DIR")
         path = os.path.realpath(os.path.join(self.update_dir, name))
-        if os.path.commonpath([path, self.update_dir]) != self.update_dir or not os.path.isfile(path):
+        ok = os.path.isdir(path) if directory else os.path.isfile(path)
+        if os.path.commonpath([path, self.update_dir]) != self.update_dir or not ok:
             raise refuse
         return path
 
     def start_load(self, conn, req: "P.LoadRequest") -> Optional[dict]:
         """Begin loading; the reply now if there is nothing to do (already held)."""
-        held = self.held[req.expert]
+        key = (req.layer, req.expert)
+        held = self.held[key]
         if req.version in held:  # idempotent: a retried load finds it done
-            return {"op": P.LOADED, "id": req.request_id, "expert": req.expert, "version": req.version}
-        if (req.expert, req.version) in self._loading:
+            return self._loaded(req)
+        if (*key, req.version) in self._loading:
             raise P.RequestError(P.BAD_REQUEST, f"expert {req.expert} version {req.version} is already loading")
-        if len(held) + sum(1 for e, _ in self._loading if e == req.expert) >= MAX_VERSIONS:
+        if len(held) + sum(1 for L, e, _ in self._loading if (L, e) == key) >= MAX_VERSIONS:
             raise P.RequestError(P.BAD_REQUEST, f"expert {req.expert} already holds versions {sorted(held)} "
                                                 f"(at most {MAX_VERSIONS}): retire one first")
-        path = self.weights_path(req.weights) if req.weights is not None else None
-        self._loading[(req.expert, req.version)] = conn
+        path = None
+        if req.weights is not None:
+            path = self.weights_path(req.weights)
+        elif req.checkpoint is not None:
+            path = self.weights_path(req.checkpoint, directory=True)
+        self._loading[(*key, req.version)] = conn
         threading.Thread(target=self._load, args=(req, path), daemon=True,
-                         name=f"load-e{req.expert}-v{req.version}").start()
+                         name=f"load-l{req.layer}-e{req.expert}-v{req.version}").start()
         return None
+
+    @staticmethod
+    def _loaded(req: "P.LoadRequest") -> dict:
+        r = {"op": P.LOADED, "id": req.request_id, "expert": req.expert, "version": req.version}
+        if req.layer != P.DEFAULT_LAYER:
+            r["layer"] = req.layer
+        return r
 
     def _load(self, req: "P.LoadRequest", path: Optional[str]) -> None:
         """Loader thread: build the new version off the serve loop, hand it over."""
         try:
-            ref = self.active[req.expert]
-            if path is not None:
-                ex = SwiGLUExpert.from_npz(path, req.expert, max_tokens=self.max_tokens, dtype=self.dtype)
-            else:
-                ex = SwiGLUExpert.from_seed(req.expert, ref.d_model, ref.d_ff, seed=req.seed, dtype=self.dtype,
-                                            max_tokens=self.max_tokens)
-            if (ex.d_model, ex.d_ff) != (ref.d_model, ref.d_ff):
-                raise ValueError(f"weights are ({ex.d_model}, {ex.d_ff}), this worker serves "
-                                 f"({ref.d_model}, {ref.d_ff})")
-            ex.version = req.version
-            result: Any = ex
+            result: Any = build_version(req, path, self.active[(req.layer, req.expert)], max_tokens=self.max_tokens)
         except Exception as e:  # reported to the requester; the worker keeps serving
             result = e
         self._post(lambda: self._finish(req, result))
 
     def _finish(self, req: "P.LoadRequest", result: Any) -> None:
-        conn = self._loading.pop((req.expert, req.version), None)
+        key = (req.layer, req.expert)
+        conn = self._loading.pop((*key, req.version), None)
         if isinstance(result, Exception):
             reply = P.error_reply(req.request_id, P.LOAD_FAILED,
                                   f"expert {req.expert} version {req.version}: {type(result).__name__}: {result}")
         else:
-            self.held[req.expert][req.version] = result
-            log.info("expert %d: version %d loaded (held %s)", req.expert, req.version,
-                     sorted(self.held[req.expert]))
-            reply = {"op": P.LOADED, "id": req.request_id, "expert": req.expert, "version": req.version}
+            self.held[key][req.version] = result
+            log.info("layer %d expert %d: version %d loaded (held %s)", req.layer, req.expert, req.version,
+                     sorted(self.held[key]))
+            reply = self._loaded(req)
         if conn is not None:
             self._reply(conn, reply)
 
     # -- retire ----------------------------------------------------------------
-    def retire(self, rid, expert: int, version: int) -> dict:
-        held = self.held[expert]
+    def retire(self, rid, expert: int, version: int, layer: int = P.DEFAULT_LAYER) -> dict:
+        key = (layer, expert)
+        held = self.held[key]
         if version not in held:
             raise P.RequestError(P.UNKNOWN_VERSION, f"expert {expert} has no version {version} "
                                                     f"(held: {sorted(held)})")
         if len(held) == 1:
             raise P.RequestError(P.BAD_REQUEST, f"version {version} is expert {expert}'s only one")
         del held[version]
-        if self.active[expert].version == version:  # the other one becomes the active one
-            self.active[expert] = next(iter(held.values()))
-        log.info("expert %d: version %d retired; active %d", expert, version, self.active[expert].version)
-        return {"op": P.RETIRED, "id": rid, "expert": expert, "version": version,
-                "active": self.active[expert].version}
+        if self.active[key].version == version:  # the other one becomes the active one
+            self.active[key] = next(iter(held.values()))
+        log.info("layer %d expert %d: version %d retired; active %d", layer, expert, version,
+                 self.active[key].version)
+        r = {"op": P.RETIRED, "id": rid, "expert": expert, "version": version, "active": self.active[key].version}
+        if layer != P.DEFAULT_LAYER:
+            r["layer"] = layer
+        return r
