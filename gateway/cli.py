@@ -2,6 +2,7 @@
 
     moe-gateway --listen tcp://127.0.0.1:7000 --workers tcp://10.0.0.2:5000,tcp://10.0.0.3:5000
     moe-gateway --listen shm://gw --local-workers 2 --backend shm      # spawns, supervises and owns them
+    moe-gateway --listen tcp://10.0.0.1:7000 --placement ray --ray-address 10.0.0.1:6379   # Ray places them
     moe-gateway update --gateway tcp://127.0.0.1:7000 start --experts 3 --version 1 --seed 7 --wait
     moe-gateway update --gateway tcp://127.0.0.1:7000 advance       # 1% -> 5% -> 25% -> 50% -> 100%
     moe-gateway update --gateway tcp://127.0.0.1:7000 finish        # (or rollback)
@@ -35,13 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_argument_group("workers")
     src.add_argument("--workers", default=None, metavar="URLS",
                      help="comma-separated URLs of running moe-worker daemons (default: start --local-workers)")
+    src.add_argument("--placement", default="local", choices=["local", "ray"],
+                     help="without --workers, who starts the workers: this gateway (--local-workers) or Ray "
+                          "(--ray-*: actors on a Ray cluster, the data plane still ours)")
     src.add_argument("--local-workers", type=int, default=2, metavar="N",
                      help="without --workers: start, supervise and own N worker processes")
     src.add_argument("--backend", default="shm", choices=["shm", "tcp", "rdma"], help="local workers' transport")
-    src.add_argument("--replicas", type=int, default=1, help="local workers: copies of each expert")
-    src.add_argument("--worker-threads", type=int, default=1, help="local workers: BLAS threads each")
+    src.add_argument("--replicas", type=int, default=1, help="local or Ray workers: copies of each expert")
+    src.add_argument("--worker-threads", type=int, default=1, help="local or Ray workers: BLAS threads each")
     src.add_argument("--worker-cpus", default=None, type=options.int_list,
-                     help="local workers: pin worker i to the i-th CPU of this list, e.g. 0,1")
+                     help="local or Ray workers: pin worker i to the i-th CPU of this list (modulo), e.g. 0,1")
     src.add_argument("--rdma-ip", default=os.environ.get("MOE_RDMA_IP", "127.0.0.1"),
                      help="local workers on rdma: the address to bind (env MOE_RDMA_IP)")
     src.add_argument("--update-dir", default=None, metavar="DIR",
@@ -54,6 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
                           "retried on a replica or fail)")
     src.add_argument("--connect-timeout", type=float, default=30.0,
                      help="how long the first connection to each worker is retried, seconds")
+    ray = p.add_argument_group("Ray placement (--placement ray; pip install 'moe-transport[ray]')")
+    ray.add_argument("--ray-address", default=None,
+                     help="the Ray cluster to join (host:port, or auto); default: $RAY_ADDRESS, else Ray's own default")
+    ray.add_argument("--ray-workers-per-node", type=int, default=1,
+                     help="workers on every node that can hold them (the gateway's node first)")
+    ray.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="Ray CPUs each worker actor reserves")
+    ray.add_argument("--ray-strategy", default="spread", choices=["spread", "pack"],
+                     help="worker i to node: round-robin (a block's replicas on different nodes), or fill a "
+                          "node first")
+    ray.add_argument("--ray-transport", default="auto", choices=["auto", "tcp", "shm", "rdma"],
+                     help="auto: shm on the gateway's own host, rdma where the node has a device, else tcp")
+    ray.add_argument("--ray-start-timeout", type=float, default=120.0,
+                     help="how long every worker actor may take to start, seconds")
     moe = p.add_argument_group("MoE layer")
     moe.add_argument("--n-experts", type=int, default=8, help="routed experts in the layer")
     moe.add_argument("--top-k", type=int, default=2, help="experts per token")
@@ -175,6 +192,8 @@ def serve_main(args) -> int:
             secret, secret_path = secrets.create_default()
         options.check_exposure(args.listen, secret, args.insecure, "moe-gateway")
         urls = [u.strip() for u in args.workers.split(",") if u.strip()] if args.workers else None
+        if urls and args.placement == "ray":
+            raise ValueError("--placement ray starts its own workers: give it no --workers")
         if urls and args.d_model is None:  # (one extra connection: only when the user did not say)
             info = probe_layer(urls[0], secret, args.connect_timeout)
             args.d_model = int(info["d_model"])
@@ -182,13 +201,20 @@ def serve_main(args) -> int:
         args.d_model = args.d_model or 256
         args.dtype = args.dtype or "float32"
         router = make_router(args)
-        if urls is None:
+        if urls is None and args.placement == "ray":
+            from gateway.placement_ray import ray_workers
+
+            local = ray_workers(args, secret)
+            urls = local.urls
+        elif urls is None:
             local = local_workers(args, secret_path)
             urls = local.urls
         pool = WorkerPool(urls, router, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
                           timeout=args.worker_timeout, connect_timeout=args.connect_timeout,
                           split_replicas=not args.no_split, secret=secret)
-        if local is not None:
+        if local is not None and hasattr(local, "attach"):
+            local.attach(pool)
+        elif local is not None:
             local.post = pool.loop.call_soon_threadsafe
             local.on_moved = pool.workers.set_url
             pool.loop.add_tick(local.tick)
