@@ -11,7 +11,7 @@ BACKEND ?= shm
 TORCH_VERSION ?= 2.13.0
 OUT := build
 
-.PHONY: deps run test test-host test-rdma bench bench-micro bench-rdma bench-moe bench-load compose-check clean
+.PHONY: deps run test test-host test-rdma bench bench-micro bench-rdma bench-moe bench-load compose-check k8s-check clean
 
 $(STAMP): setup.cfg pyproject.toml
 	@missing=$$(for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -68,6 +68,11 @@ bench-load: $(STAMP)
 
 compose-check: $(STAMP)
 	docker-compose -f docker-compose.yml config -q && echo "docker-compose.yml: valid"
+
+# the Kubernetes manifests against the Kubernetes schemas, offline (tests/test_k8s.py also
+# validates them with the RDMA patches applied, and runs their commands)
+k8s-check: $(STAMP)
+	$(VENV)/bin/kubernetes-validate --strict $$(find deploy/k8s -name '*.yaml' | sort)
 
 bench-micro: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider bench/micro --benchmark-only --benchmark-columns=min,median,mean,ops
