@@ -11,7 +11,7 @@ BACKEND ?= shm
 TORCH_VERSION ?= 2.13.0
 OUT := build
 
-.PHONY: deps run test test-host test-rdma bench bench-micro bench-rdma bench-moe bench-load compose-check k8s-check clean
+.PHONY: deps run test test-host test-rdma bench bench-micro bench-rdma bench-moe bench-load bench-ray compose-check k8s-check clean
 
 $(STAMP): setup.cfg pyproject.toml
 	@missing=$$(for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -65,6 +65,12 @@ bench-load: $(STAMP)
 	$(VENV)/bin/moe-bench load --mode ramp --full --systems all --backend shm --rate 12 --ramp-start 1.5 \
 	  --ramp-steps 8 --step-duration 10 --concurrency 32 --warmup 2 --json bench-results/load-ramp.json \
 	  --plot bench-results/load-ramp.png --markdown bench-results/load-ramp.md
+
+# --placement ray beside --local-workers on a local 3-node Ray cluster in network namespaces
+# (root): tokens/s, p99, start-up and recovery, interleaved rounds
+bench-ray: $(STAMP)
+	@mkdir -p bench-results
+	$(SUDO) $(PY) -m bench.ray_figures --rounds 3 --requests 400 --json bench-results/ray-figures.json
 
 compose-check: $(STAMP)
 	docker-compose -f docker-compose.yml config -q && echo "docker-compose.yml: valid"

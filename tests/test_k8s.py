@@ -6,7 +6,7 @@ container runs it, after Kubernetes' own ``$(VAR)`` expansion, with the ConfigMa
 environment -- and serves the layer.
 
 How the stable names resolve in that run: each pod gets a network namespace of its own
-(tests/ray_netns.py NetnsLan: its own veth address on one bridge, so every pod binds the
+(bench/netns_cluster.py NetnsLan: its own veth address on one bridge, so every pod binds the
 same ports 5000 and 9632 as in the cluster); the gateway's and the client's namespaces get
 an /etc/hosts (``ip netns exec`` bind-mounts /etc/netns/<ns>/hosts over /etc/hosts) mapping
 ``moe-worker-<i>.moe-workers`` and ``moe-gateway`` to those pods' addresses. Nothing in the
@@ -273,7 +273,7 @@ def http_get(lan, host: int, url: str) -> int:
 
 
 def test_the_containers_commands_serve_the_layer_by_their_stable_names(shims):
-    from tests.ray_netns import NetnsError, NetnsLan
+    from bench.netns_cluster import NetnsError, NetnsLan
 
     d = docs()
     layer = d[("ConfigMap", "moe-layer")]["data"]

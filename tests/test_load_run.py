@@ -81,7 +81,7 @@ def loopback_netns():
     """A network namespace with only loopback up, or None where none can be made (not root).
     The Ray peer starts a local Ray, which binds the machine's interface address by default:
     in here it can only have 127.0.0.1."""
-    from tests.ray_netns import NetnsError, NetnsLan
+    from bench.netns_cluster import NetnsError, NetnsLan
 
     lan = NetnsLan(1, tag=f"moel{os.getpid() % 100000}", loopback_only=True)
     try:

@@ -1,5 +1,5 @@
 """``moe-gateway --placement ray`` on a real Ray cluster of three nodes on this machine, each
-node in a network namespace of its own (tests/ray_netns.py: own veth address, one bridge;
+node in a network namespace of its own (bench/netns_cluster.py: own veth address, one bridge;
 nothing of Ray binds or reaches the machine's network). The gateway is the Ray driver in the
 head's namespace; a checking client (tests/layer_client.py) runs there too.
 
@@ -27,7 +27,7 @@ import time
 import pytest
 
 from tests import helpers_procs as HP
-from tests.ray_netns import NetnsError, NetnsLan, RayCluster
+from bench.netns_cluster import NetnsError, NetnsLan, RayCluster
 from transport.service.launch import spawn_service, stop_process
 
 D, F, E, K, SEED = 16, 32, 6, 2, 11

@@ -11,7 +11,9 @@ Every process started here runs inside those namespaces, so "what is left" is ex
 :meth:`NetnsLan.close` SIGKILLs by pid whatever is still in a namespace it made (reporting it)
 and deletes the namespaces. Needs root and iproute2.
 
-Also used by the cluster figures (bench/ray_figures.py), so it imports nothing of pytest.
+Used by the tests (tests/test_ray_cluster.py, tests/test_k8s.py, tests/test_load_run.py) and
+by the cluster figures (bench/ray_figures.py). ``ROOT`` (the checkout) goes on the Ray nodes'
+PYTHONPATH, so run it from a checkout.
 """
 from __future__ import annotations
 
