@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,13 +112,17 @@ def inner(args) -> int:
     arms = [(a, b) for b in args.backend for a in ("local", "ray")]
     out_dir = tempfile.mkdtemp(prefix="moe-fig-")
     records = []
-    for rnd in range(args.rounds):
-        order = arms if rnd % 2 == 0 else list(reversed(arms))
-        for arm, backend in order:
-            rec = run_arm(arm, backend, args.ray_address, args.head_ip, load_args, out_dir, f"{rnd}-{arm}-{backend}")
-            rec["round"] = rnd
-            records.append(rec)
-            print(json.dumps(rec), flush=True)
+    try:
+        for rnd in range(args.rounds):
+            order = arms if rnd % 2 == 0 else list(reversed(arms))
+            for arm, backend in order:
+                rec = run_arm(arm, backend, args.ray_address, args.head_ip, load_args, out_dir,
+                              f"{rnd}-{arm}-{backend}")
+                rec["round"] = rnd
+                records.append(rec)
+                print(json.dumps(rec), flush=True)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
     print("RESULT " + json.dumps({"records": records, "load_args": load_args}), flush=True)
     return 0
 
@@ -128,23 +133,31 @@ def median(xs):
     return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
+METRICS = (("tokens_per_s", "tokens/s", "{:.0f}"), ("p99_tpot_ms", "p99 TPOT ms", "{:.1f}"),
+           ("p99_itl_ms", "p99 ITL ms", "{:.1f}"), ("startup_s", "start-up to first answer s", "{:.1f}"),
+           ("recovery_s", "recovery after a worker kill s", "{:.1f}"))
+
+
 def table(records: list) -> str:
-    rows = ["| backend | arm | tokens/s | p99 TPOT ms | p50 TPOT ms | p99 ITL ms | start-up to first answer s | "
-            "recovery after a worker kill s |", "|---|---|---|---|---|---|---|---|"]
+    """Median [min-max] over the rounds per arm, and the median of the per-round ratios
+    ray/local (each round's two arms ran back to back, so the machine's drift cancels)."""
+    rows = ["| backend | arm | " + " | ".join(name for _, name, _ in METRICS) + " |",
+            "|---|---|" + "---|" * len(METRICS)]
     for backend in sorted({r["backend"] for r in records}, reverse=True):
-        med = {}
-        for arm in ("local", "ray"):
-            rs = [r for r in records if r["arm"] == arm and r["backend"] == backend]
-            med[arm] = {k: median([r[k] for r in rs]) for k in ("tokens_per_s", "p99_tpot_ms", "p50_tpot_ms",
-                                                                  "p99_itl_ms", "startup_s", "recovery_s")}
-            m = med[arm]
-            label = "--local-workers 3" if arm == "local" else "--placement ray"
-            rows.append(f"| {backend} | {label} | {m['tokens_per_s']:.0f} | {m['p99_tpot_ms']:.1f} | "
-                        f"{m['p50_tpot_ms']:.1f} | {m['p99_itl_ms']:.1f} | {m['startup_s']:.1f} | {m['recovery_s']:.1f} |")
-        r, l_ = med["ray"], med["local"]
-        rows.append(f"| {backend} | ray / local | {r['tokens_per_s'] / l_['tokens_per_s']:.2f}x | "
-                    f"{r['p99_tpot_ms'] / l_['p99_tpot_ms']:.2f}x | {r['p50_tpot_ms'] / l_['p50_tpot_ms']:.2f}x | "
-                    f"{r['p99_itl_ms'] / l_['p99_itl_ms']:.2f}x | | |")
+        by = {arm: {r["round"]: r for r in records if r["arm"] == arm and r["backend"] == backend}
+              for arm in ("local", "ray")}
+        for arm, label in (("local", "--local-workers 3"), ("ray", "--placement ray")):
+            cells = []
+            for key, _, fmt in METRICS:
+                xs = [r[key] for r in by[arm].values()]
+                cells.append(f"{fmt.format(median(xs))} [{fmt.format(min(xs))}-{fmt.format(max(xs))}]")
+            rows.append(f"| {backend} | {label} | " + " | ".join(cells) + " |")
+        rounds = sorted(set(by["local"]) & set(by["ray"]))
+        cells = []
+        for key, _, _ in METRICS:
+            ratios = [by["ray"][n][key] / by["local"][n][key] for n in rounds]
+            cells.append(f"{median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
+        rows.append(f"| {backend} | ray / local, per round | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 

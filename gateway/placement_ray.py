@@ -217,6 +217,11 @@ class WorkerHost:
                                    drain_idle=args.drain_idle, secret=value, update_dir=args.update_dir,
                                    max_connections=args.max_connections, idle_timeout=args.idle_timeout)
         self.url = self.daemon.url
+        from transport.service.metrics import maybe_serve
+        from workers.metrics import worker_registry
+
+        # --metrics-port in argv (the gateway's --worker-metrics): a free port on the node
+        self.metrics_url = maybe_serve(lambda: worker_registry(self.daemon), args)
         self.cpu = cpu
         self._stopping = False
         self._thread = threading.Thread(target=self._serve, daemon=True, name="moe-worker-serve")
@@ -238,7 +243,7 @@ class WorkerHost:
     def where(self) -> dict:
         """Where this worker listens, and what it is (small: Ray carries it)."""
         return {"index": self.index, "url": self.url, "pid": os.getpid(), "node_ip": self.node_ip,
-                "transport": self.transport, "serving": self._thread.is_alive()}
+                "transport": self.transport, "serving": self._thread.is_alive(), "metrics": self.metrics_url}
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> bool:
         """Drain (answer what was sent, tell the gateway) and end the serve loop."""
@@ -339,8 +344,8 @@ class RayWorkers:
         self._next = [0.0] * len(self.actors)
         self._backoff = [0.0] * len(self.actors)
         for w, node in zip(self.where, order):
-            log.info("ray worker %d on node %s (%s): %s, pid %d", w["index"], node.ip, node.node_id[:8], w["url"],
-                     w["pid"])
+            log.info("ray worker %d on node %s (%s): %s, pid %d%s", w["index"], node.ip, node.node_id[:8], w["url"],
+                     w["pid"], f", metrics {w['metrics']}" if w.get("metrics") else "")
 
     def attach(self, pool) -> None:
         """Follow ``pool``'s workers: hand moved URLs to it, on its loop."""
@@ -447,6 +452,8 @@ def ray_workers(args, secret: Optional[bytes]) -> RayWorkers:
             "--log-level", args.log_level]
     if args.update_dir:
         base += ["--update-dir", args.update_dir]
+    if args.worker_metrics:  # each on a free port of its node (where() and the log say which)
+        base += ["--metrics-port", "0", "--metrics-addr", args.metrics_addr]
     from workers.cli import build_parser
 
     def flags(i: int, experts: list[int]) -> list[str]:

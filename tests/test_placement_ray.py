@@ -136,6 +136,20 @@ def test_worker_host_serves_the_layer_with_the_secret(scheme):
     assert HP.shm_entries() - shm_before == set()
 
 
+def test_worker_host_serves_its_metrics_when_asked():
+    import urllib.request
+
+    h = PR.WorkerHost(0, _flags([0, 1]) + ["--metrics-port", "0"], transport="tcp", node_ip="127.0.0.1",
+                      secret=PR.SharedSecret(HP.secret()))
+    try:
+        url = h.where()["metrics"]
+        assert url.startswith("http://127.0.0.1:")
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert 'moe_expert_tokens_total{expert="1"' in text
+    finally:
+        h.stop(5.0)
+
+
 def test_worker_host_on_a_public_address_refuses_to_start_without_a_secret():
     with pytest.raises(ValueError, match="without a shared secret"):
         PR.WorkerHost(0, _flags([0]), transport="tcp", node_ip="10.11.12.13")

@@ -30,6 +30,7 @@ from tests import helpers_procs as HP
 from bench.netns_cluster import NetnsError, NetnsLan, RayCluster
 from transport.service.launch import spawn_service, stop_process
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D, F, E, K, SEED = 16, 32, 6, 2, 11
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -41,15 +42,17 @@ class Cluster:
 
     def python(self, code: str, timeout: float = 60.0, host: int = 0) -> subprocess.CompletedProcess:
         return subprocess.run(self.lan.exec(host) + [sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=timeout, env=self.env, cwd=HP.__file__.rsplit("/tests/", 1)[0])
+                              timeout=timeout, env=self.env, cwd=ROOT)
 
     def gateway(self, *flags: str) -> tuple[subprocess.Popen, str]:
-        argv = self.lan.exec(0) + [
+        return spawn_service(self.gateway_argv(*flags), timeout=240.0, env=self.env)
+
+    def gateway_argv(self, *flags: str) -> list[str]:
+        return self.lan.exec(0) + [
             sys.executable, "-m", "gateway.cli", "--listen", f"tcp://{self.lan.ips[0]}:0", "--placement", "ray",
             "--ray-address", self.ray.address, "--n-experts", str(E), "--top-k", str(K), "--d-model", str(D),
             "--d-ff", str(F), "--seed", str(SEED), "--max-batch-tokens", "64", "--max-wait-ms", "1",
             "--worker-timeout", "5", *flags]
-        return spawn_service(argv, timeout=240.0, env=self.env)
 
     def ping(self, url: str) -> dict:
         r = self.python(f"import json; from gateway.client import GatewayClient\n"
@@ -62,7 +65,7 @@ class Cluster:
             sys.executable, "-m", "tests.layer_client", url, "--d-model", str(D), "--d-ff", str(F),
             "--n-experts", str(E), "--top-k", str(K), "--seed", str(SEED), *extra],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env,
-            cwd=HP.__file__.rsplit("/tests/", 1)[0])
+            cwd=ROOT)
 
     def check(self, url: str, n: int = 40) -> list:
         """n requests, every answer checked against the reference."""
@@ -140,7 +143,7 @@ def test_the_secret_reaches_the_actors_through_ray_only(cluster, auto_gateway):
             "    except transport.Refused as e: print('refused', type(e).__name__)\n")
     for w in workers:
         r = subprocess.run(cluster.lan.exec(0) + [sys.executable, "-c", code, w["url"]], capture_output=True,
-                           text=True, timeout=60, env=cluster.env, cwd=HP.__file__.rsplit("/tests/", 1)[0])
+                           text=True, timeout=60, env=cluster.env, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-2000:]
         assert r.stdout.split("\n")[:2] == ["refused AuthenticationError"] * 2, (w["url"], r.stdout)
 
@@ -220,3 +223,11 @@ def test_forced_transports_equal_the_reference(cluster, flags, transports, n_wor
         assert {r["outcome"] for r in records} == {"ok"}
     finally:
         assert stop_process(proc, timeout=60.0) == 0
+
+
+def test_a_placement_the_cluster_cannot_hold_fails_at_start_saying_why(cluster):
+    r = subprocess.run(cluster.gateway_argv("--ray-cpus-per-worker", "64"), capture_output=True, text=True,
+                       timeout=180, env=cluster.env)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "no Ray node can hold 1 worker(s) of 64 CPU(s)" in r.stderr
+    assert all(f"{ip} alive CPU=" in r.stderr for ip in cluster.lan.ips)  # what the cluster has
