@@ -146,7 +146,7 @@ class RayCluster:
     """
 
     def __init__(self, lan: NetnsLan, cpus: Sequence[float], resources: Optional[Sequence[dict]] = None,
-                 object_store_mb: int = 80) -> None:
+                 object_store_mb: int = 80, env: Optional[dict] = None) -> None:
         if len(cpus) != lan.n:
             raise ValueError("one cpu count per host")
         self.lan = lan
@@ -155,6 +155,7 @@ class RayCluster:
         self.object_store = object_store_mb << 20
         self.temp = tempfile.mkdtemp(prefix="moeray", dir="/tmp")  # short: Unix socket paths live under it
         self.env = ray_env(self.temp)
+        self.env.update(env or {})  # e.g. RAY_worker_niceness (Ray's config: read by the nodes at start)
         self.procs: list[subprocess.Popen] = []
         self.logs: list[str] = []
         self.address = f"{lan.ips[0]}:{RAY_PORT}"

@@ -168,6 +168,9 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--requests", type=int, default=240, help="measured requests per arm (64-token prefill, 8 decode)")
     p.add_argument("--concurrency", type=int, default=4, help="client threads")
     p.add_argument("--warmup", type=float, default=1.0)
+    p.add_argument("--worker-niceness", type=int, default=None,
+                   help="RAY_worker_niceness for the Ray nodes (Ray starts its workers at niceness 15 by "
+                        "default; --local-workers run at the gateway's, 0); default: Ray's")
     p.add_argument("--json", default=None, help="write the records and the table here")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ray-address", default=None, help=argparse.SUPPRESS)
@@ -180,7 +183,8 @@ def main(argv: Optional[list] = None) -> int:
     from bench.netns_cluster import NetnsLan, RayCluster
 
     lan = NetnsLan(3, tag=f"moef{os.getpid() % 100000}").open()
-    ray = RayCluster(lan, cpus=[2, 1, 1])
+    extra = {} if args.worker_niceness is None else {"RAY_worker_niceness": str(args.worker_niceness)}
+    ray = RayCluster(lan, cpus=[2, 1, 1], env=extra)
     # a secret of this run's own (not the per-user default file the gateways would create)
     fd, secret = tempfile.mkstemp(prefix="moe-fig-secret-")
     os.write(fd, os.urandom(16).hex().encode() + b"\n")

@@ -45,12 +45,16 @@ imports it.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+if TYPE_CHECKING:
+    from gateway.pool import WorkerPool
 
 log = logging.getLogger("moe.ray")
 
@@ -347,7 +351,7 @@ class RayWorkers:
             log.info("ray worker %d on node %s (%s): %s, pid %d%s", w["index"], node.ip, node.node_id[:8], w["url"],
                      w["pid"], f", metrics {w['metrics']}" if w.get("metrics") else "")
 
-    def attach(self, pool) -> None:
+    def attach(self, pool: "WorkerPool") -> None:
         """Follow ``pool``'s workers: hand moved URLs to it, on its loop."""
         self.links = pool.workers
         self.post = pool.loop.call_soon_threadsafe
@@ -441,7 +445,7 @@ def _describe(nodes: Sequence[dict]) -> str:
                      f"CPU={n.get('Resources', {}).get('CPU', 0):g}" for n in nodes) or "none"
 
 
-def ray_workers(args, secret: Optional[bytes]) -> RayWorkers:
+def ray_workers(args: argparse.Namespace, secret: Optional[bytes]) -> RayWorkers:
     """The Ray placement ``moe-gateway --placement ray`` asks for (``args``: its flags)."""
     spec = RayPlacement(address=args.ray_address, workers_per_node=args.ray_workers_per_node,
                         cpus_per_worker=args.ray_cpus_per_worker, strategy=args.ray_strategy,
