@@ -11,7 +11,7 @@ BACKEND ?= shm
 TORCH_VERSION ?= 2.13.0
 OUT := build
 
-.PHONY: deps run test test-host test-rdma bench bench-micro bench-rdma bench-moe bench-load compose-check secret clean
+.PHONY: deps run test test-host test-rdma bench bench-micro bench-rdma bench-moe bench-load bench-ray compose-check k8s-check secret clean
 
 $(STAMP): setup.cfg pyproject.toml
 	@missing=$$(for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -69,6 +69,12 @@ bench-load: $(STAMP)
 	  --ramp-steps 8 --step-duration 10 --concurrency 32 --warmup 2 --json bench-results/load-ramp.json \
 	  --plot bench-results/load-ramp.png --markdown bench-results/load-ramp.md
 
+# --placement ray beside --local-workers on a local 3-node Ray cluster in network namespaces
+# (root): tokens/s, p99, start-up and recovery, interleaved rounds
+bench-ray: $(STAMP)
+	@mkdir -p bench-results
+	$(SUDO) $(PY) -m bench.ray_figures --rounds 3 --requests 400 --json bench-results/ray-figures.json
+
 # the compose deployment's shared secret: made once, readable by its owner only (gitignored)
 secret: deploy/secret
 deploy/secret:
@@ -77,6 +83,11 @@ deploy/secret:
 
 compose-check: $(STAMP) deploy/secret
 	docker-compose -f docker-compose.yml config -q && echo "docker-compose.yml: valid"
+
+# the Kubernetes manifests against the Kubernetes schemas, offline (tests/test_k8s.py also
+# validates them with the RDMA patches applied, and runs their commands)
+k8s-check: $(STAMP)
+	$(VENV)/bin/kubernetes-validate --strict $$(find deploy/k8s -name '*.yaml' | sort)
 
 bench-micro: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider bench/micro --benchmark-only --benchmark-columns=min,median,mean,ops

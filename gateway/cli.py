@@ -4,6 +4,7 @@
     moe-gateway --listen shm://gw --local-workers 2 --backend shm      # spawns, supervises and owns them
     moe-gateway --listen tcp://127.0.0.1:7000 --checkpoint /models/mixtral --layers 0-31 \
                 --local-workers 2 --compute torch --dtype bfloat16   # a real model's MoE layers
+    moe-gateway --listen tcp://10.0.0.1:7000 --placement ray --ray-address 10.0.0.1:6379   # Ray places them
     moe-gateway update --gateway tcp://127.0.0.1:7000 start --experts 0-7 --new-version 1 \
                 --checkpoint /updates/mixtral-ft --layer 3 --wait
     moe-gateway update --gateway tcp://127.0.0.1:7000 start --experts 3 --new-version 1 --seed 7 --wait
@@ -39,13 +40,16 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_argument_group("workers")
     src.add_argument("--workers", default=None, metavar="URLS",
                      help="comma-separated URLs of running moe-worker daemons (default: start --local-workers)")
+    src.add_argument("--placement", default="local", choices=["local", "ray"],
+                     help="without --workers, who starts the workers: this gateway (--local-workers) or Ray "
+                          "(--ray-*: actors on a Ray cluster, the data plane still ours)")
     src.add_argument("--local-workers", type=int, default=2, metavar="N",
                      help="without --workers: start, supervise and own N worker processes")
     src.add_argument("--backend", default="shm", choices=["shm", "tcp", "rdma"], help="local workers' transport")
-    src.add_argument("--replicas", type=int, default=1, help="local workers: copies of each expert")
-    src.add_argument("--worker-threads", type=int, default=1, help="local workers: BLAS threads each")
+    src.add_argument("--replicas", type=int, default=1, help="local or Ray workers: copies of each expert")
+    src.add_argument("--worker-threads", type=int, default=1, help="local or Ray workers: BLAS threads each")
     src.add_argument("--worker-cpus", default=None, type=options.int_list,
-                     help="local workers: pin worker i to the i-th CPU of this list, e.g. 0,1")
+                     help="local or Ray workers: pin worker i to the i-th CPU of this list (modulo), e.g. 0,1")
     src.add_argument("--rdma-ip", default=os.environ.get("MOE_RDMA_IP", "127.0.0.1"),
                      help="local workers on rdma: the address to bind (env MOE_RDMA_IP)")
     src.add_argument("--update-dir", default=None, metavar="DIR",
@@ -72,6 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--compute", default="numpy", choices=["numpy", "torch"],
                     help="local workers: expert kernel (torch: bf16 where the CPU has bf16 matrix units, "
                          "else float32)")
+    ray = p.add_argument_group("Ray placement (--placement ray; pip install 'moe-transport[ray]')")
+    ray.add_argument("--ray-address", default=None,
+                     help="the Ray cluster to join (host:port, or auto); default: $RAY_ADDRESS, else Ray's own default")
+    ray.add_argument("--ray-workers-per-node", type=int, default=1,
+                     help="workers on every node that can hold them (the gateway's node first)")
+    ray.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="Ray CPUs each worker actor reserves")
+    ray.add_argument("--ray-strategy", default="spread", choices=["spread", "pack"],
+                     help="worker i to node: round-robin (a block's replicas on different nodes), or fill a "
+                          "node first")
+    ray.add_argument("--ray-transport", default="auto", choices=["auto", "tcp", "shm", "rdma"],
+                     help="auto: shm on the gateway's own host, rdma where the node has a device, else tcp")
+    ray.add_argument("--ray-start-timeout", type=float, default=120.0,
+                     help="how long every worker actor may take to start, seconds")
     moe = p.add_argument_group("MoE layer")
     moe.add_argument("--n-experts", type=int, default=8, help="routed experts in the layer")
     moe.add_argument("--top-k", type=int, default=2, help="experts per token")
@@ -144,20 +161,28 @@ def checkpoint_layers(args):
     return layers
 
 
-def local_workers(args, secret_path: Optional[str], layers=None):
+def served_ids(args, layers=None) -> tuple[int, int, int]:
+    """(routed experts, shared pieces, rows per token) the workers a gateway starts must
+    host: the demo layer's from the flags, else the checkpoint layers' (the same ids in
+    every layer, so one placement serves them all)."""
     from gateway.rounds import slots_per_token
+
+    if not layers:
+        return args.n_experts, 0, args.top_k
+    sizes = {(gl.spec.n_experts, gl.spec.n_shared) for gl in layers.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"workers a gateway starts host the same ids in every layer; these layers differ in "
+                         f"experts (routed, shared pieces): {sorted(sizes)}; start workers yourself (--workers)")
+    n_experts, n_shared = sizes.pop()
+    return n_experts, n_shared, max(slots_per_token(gl.router) for gl in layers.values())
+
+
+def local_workers(args, secret_path: Optional[str], layers=None):
     from gateway.supervisor import LocalWorkers, local_listen_url, placement, worker_command
 
     cpus = args.worker_cpus or []
     commands = []
-    n_experts, n_shared, slots = args.n_experts, 0, args.top_k
-    if layers:
-        sizes = {(gl.spec.n_experts, gl.spec.n_shared) for gl in layers.values()}
-        if len(sizes) != 1:
-            raise ValueError(f"local workers host the same ids in every layer; these layers differ in experts "
-                             f"(routed, shared pieces): {sorted(sizes)}; start workers yourself (--workers)")
-        n_experts, n_shared = sizes.pop()
-        slots = max(slots_per_token(gl.router) for gl in layers.values())
+    n_experts, n_shared, slots = served_ids(args, layers)
     for i, experts in enumerate(placement(n_experts, args.local_workers, args.replicas, n_shared)):
         extra = ["--threads", str(args.worker_threads), "--log-level", args.log_level, "--compute", args.compute]
         if layers:
@@ -231,6 +256,8 @@ def serve_main(args) -> int:
             secret, secret_path = secrets.create_default()
         options.check_exposure(args.listen, secret, args.insecure, "moe-gateway")
         urls = [u.strip() for u in args.workers.split(",") if u.strip()] if args.workers else None
+        if urls and args.placement == "ray":
+            raise ValueError("--placement ray starts its own workers: give it no --workers")
         layers = checkpoint_layers(args) if args.checkpoint else None
         if args.layers and not layers:
             raise ValueError("--layers needs --checkpoint (demo weights are one layer)")
@@ -247,14 +274,21 @@ def serve_main(args) -> int:
             fingerprints = {L: gl.fingerprint for L, gl in layers.items()}
         else:
             router, fingerprints = make_router(args), None
-        if urls is None:
+        if urls is None and args.placement == "ray":
+            from gateway.placement_ray import ray_workers
+
+            local = ray_workers(args, secret, layers)
+            urls = local.urls
+        elif urls is None:
             local = local_workers(args, secret_path, layers)
             urls = local.urls
         pool = WorkerPool(urls, router, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
                           timeout=args.worker_timeout, connect_timeout=args.connect_timeout,
                           split_replicas=not args.no_split, secret=secret, balancing=args.balancing,
                           ack_timeout=args.update_ack_timeout, fingerprints=fingerprints)
-        if local is not None:
+        if local is not None and hasattr(local, "attach"):
+            local.attach(pool)
+        elif local is not None:
             local.post = pool.loop.call_soon_threadsafe
             local.on_moved = pool.workers.set_url
             pool.loop.add_tick(local.tick)

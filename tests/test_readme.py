@@ -15,8 +15,11 @@ home (no secret yet). What is substituted, and only that:
 Services (a line ending in ``&``) are started and waited for (``LISTENING``); later blocks
 talk to them (the client, the hot update). Commands that take minutes or need the rxe guest
 are checked, not run: ``make`` targets by ``make -n`` (the demo ``make run`` runs is then run
-for real), benchmark lines by their own parser and validation. The compose deployment is
-tests/test_deploy.py's."""
+for real), benchmark lines by their own parser and validation. So are the other engines'
+recipes, which must not touch the machine's network here: ``ray start`` lines by Ray's own
+CLI parser, a ``moe-gateway --placement ray`` line by the gateway's, ``kubectl apply -f DIR``
+by the manifests it names existing; tests/test_ray_cluster.py and tests/test_k8s.py run them
+for real inside network namespaces. The compose deployment is tests/test_deploy.py's."""
 from __future__ import annotations
 
 import argparse
@@ -80,6 +83,7 @@ class Runner:
         self.tmp = tmp
         self.ports: dict = {}  # (host, port) as written -> a free loopback port
         self.procs: list = []
+        self.engines: list = []  # other engines' commands, checked (see engine())
         self.services: list = []  # (argv as written, url, metrics port or None)
         self.env = blas_env(1, {k: v for k, v in os.environ.items() if k != "MOE_SECRET_FILE"})
         self.env.update(XDG_CONFIG_HOME=str(tmp / "config"), PYTHONPATH=str(ROOT))
@@ -121,7 +125,7 @@ class Runner:
 
     # -- running -------------------------------------------------------------------------------
     def run_sh(self, code: str) -> None:
-        for raw in code.splitlines():
+        for raw in code.replace("\\\n", " ").splitlines():  # continued lines joined
             line = raw.strip()
             if not line or line.startswith("#"):
                 continue
@@ -132,6 +136,8 @@ class Runner:
             prog = words[0]
             if prog == "make":
                 self.make(words)
+            elif prog in ("ray", "kubectl") or "--placement" in words:
+                self.engine(words)
             elif prog == "moe-bench":
                 self.bench(words[1:])
             elif prog in PROGRAMS:
@@ -182,6 +188,22 @@ class Runner:
         if words[0] == "load":
             mod._resolve(args)
 
+    def engine(self, words: list[str]) -> None:
+        """Another engine's recipe, checked without starting it (see the module docstring)."""
+        self.engines.append(words)
+        if words[0] == "ray":
+            assert words[1] == "start", words
+            from ray.scripts.scripts import start
+            start.make_context("ray start", words[2:])  # click: raises on an unknown flag
+        elif words[0] == "kubectl":
+            assert words[1] == "create" or words[1:3] == ["apply", "-f"], words
+            if words[1] == "apply":
+                assert list((ROOT / words[3]).glob("*.yaml")), words
+        else:
+            from gateway.cli import build_parser
+            args = build_parser().parse_args(words[1:])
+            assert args.placement == "ray" and args.ray_address, words
+
     def close(self) -> None:
         for proc in self.procs:
             stop_process(proc, timeout=15.0)
@@ -224,5 +246,6 @@ def test_every_readme_example_runs_as_written(tmp_path):
                 assert y.shape == x.shape and np.isfinite(y.astype(np.float32)).all()
         gateways = [w for w, _, _ in r.services if w[0] == "moe-gateway"]
         assert len(gateways) == 5 and len(r.services) == 11
+        assert sorted(w[0] for w in r.engines) == ["kubectl", "kubectl", "moe-gateway", "ray", "ray"]
     finally:
         r.close()
