@@ -196,8 +196,7 @@ class WorkerHost:
         from threadpoolctl import threadpool_limits
 
         from transport.service import options
-        from workers.cli import build_parser, load_experts
-        from workers.daemon import WorkerDaemon
+        from workers.cli import build_daemon, build_parser
 
         if node_ip is None:
             import ray
@@ -216,10 +215,7 @@ class WorkerHost:
         except SystemExit as e:  # an actor's __init__ must raise, not exit: Ray reports it
             raise ValueError(str(e)) from None
         self._limits = threadpool_limits(limits=args.threads)
-        self.daemon = WorkerDaemon(load_experts(args), url, max_tokens=args.max_tokens, slot_size=args.slot_size,
-                                   nslots=args.nslots, io_timeout=args.io_timeout, drain_timeout=args.drain_timeout,
-                                   drain_idle=args.drain_idle, secret=value, update_dir=args.update_dir,
-                                   max_connections=args.max_connections, idle_timeout=args.idle_timeout)
+        self.daemon = build_daemon(args, url, value)
         self.url = self.daemon.url
         from transport.service.metrics import maybe_serve
         from workers.metrics import worker_registry

@@ -88,10 +88,8 @@ def check_case(case_dir: Path, backend: str, timeout: float = 120.0) -> float:
     worst error against transformers' outputs, relative to the output's largest magnitude,
     over every MoE layer (asserting each within tolerance). ``timeout`` bounds each start
     (seconds: a Python start costs seconds in the TCG guest) and each request."""
-    from gateway.client import GatewayClient
     from gateway.supervisor import placement
     from tests.helpers_procs import Services, listen_url
-    from workers import bf16
     from workers.checkpoint import Checkpoint, model_spec
     from workers.cli import worker_argv
 
@@ -99,7 +97,6 @@ def check_case(case_dir: Path, backend: str, timeout: float = 120.0) -> float:
     dtype = meta["dtype"]
     ckpt = str(case_dir / "checkpoint")
     spec = model_spec(Checkpoint(ckpt)).layer(meta["layers"][0])
-    worst = 0.0
     with Services() as services:
         urls = []
         for ids in placement(spec.n_experts, 2, 1, spec.n_shared):
@@ -109,23 +106,37 @@ def check_case(case_dir: Path, backend: str, timeout: float = 120.0) -> float:
             urls.append(services.start(argv, timeout=timeout).url)
         gw = services.gateway(backend, workers=urls, checkpoint=ckpt, dtype=dtype, max_batch_tokens=64,
                               connect_timeout=timeout, timeout=timeout)
-        with GatewayClient(gw.url, timeout=timeout) as c:
-            for L in meta["layers"]:
-                with np.load(case_dir / f"layer{L}.npz") as z:
-                    x, want, keep = z["x"], z["y"], z["keep"]
-                if dtype == "bfloat16":
-                    x = x.view(bf16.wire_dtype("bfloat16"))  # ml_dtypes where installed, else the bits
-                got = c.forward(x, layer=L)
-                assert got.shape == want.shape and bf16.dtype_name(got.dtype) == dtype
-                got = bf16.to_float32(got) if dtype == "bfloat16" else got
-                err = float(np.abs(got[keep] - want[keep]).max() / np.abs(want).max())
-                assert keep.mean() > 0.9 and err <= TOL[dtype], (case_dir.name, L, err)
-                worst = max(worst, err)
-            workers = c.ping()["workers"]
+        worst, workers = compare_layers(gw.url, case_dir, timeout)
     urls = [w["url"] for w in workers]
     assert len(urls) == 2 and all(u.startswith(backend + "://") for u in urls), urls
     assert all(w["kernel"]["kernel"] == "numpy" and w["kernel"]["wire_dtype"] == dtype for w in workers)
     return worst
+
+
+def compare_layers(url: str, case_dir: Path, timeout: float = 120.0) -> tuple[float, list]:
+    """Every MoE layer of ``case_dir`` through the gateway at ``url`` against transformers'
+    outputs (each asserted within tolerance): the worst relative error, and the gateway's
+    workers as its ping lists them."""
+    from gateway.client import GatewayClient
+    from workers import bf16
+
+    meta = json.loads((case_dir / "case.json").read_text())
+    dtype = meta["dtype"]
+    worst = 0.0
+    with GatewayClient(url, timeout=timeout) as c:
+        for L in meta["layers"]:
+            with np.load(case_dir / f"layer{L}.npz") as z:
+                x, want, keep = z["x"], z["y"], z["keep"]
+            if dtype == "bfloat16":
+                x = x.view(bf16.wire_dtype("bfloat16"))  # ml_dtypes where installed, else the bits
+            got = c.forward(x, layer=L)
+            assert got.shape == want.shape and bf16.dtype_name(got.dtype) == dtype
+            got = bf16.to_float32(got) if dtype == "bfloat16" else got
+            err = float(np.abs(got[keep] - want[keep]).max() / np.abs(want).max())
+            assert keep.mean() > 0.9 and err <= TOL[dtype], (case_dir.name, L, err)
+            worst = max(worst, err)
+        workers = c.ping()["workers"]
+    return worst, workers
 
 
 if __name__ == "__main__":

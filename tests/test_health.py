@@ -210,7 +210,7 @@ def test_worker_compute_histogram_and_draining_readiness(tmp_path):
     conn = runner = None
     try:
         for dt in (2e-5, 3e-3, 3e-3, 9.0):  # what the forward path records per expert group
-            daemon.stats.experts[0].observe(dt)
+            daemon.stats.experts[(0, 0)].observe(dt)  # (layer, expert): demo weights are layer 0
         url = serve(worker_registry(daemon), 0, health=worker_health(daemon), stream=open(tmp_path / "m", "w"))
         base = url.rsplit("/", 1)[0]
         s = samples(base)
@@ -218,8 +218,9 @@ def test_worker_compute_histogram_and_draining_readiness(tmp_path):
              if n == "moe_expert_compute_seconds_bucket" and dict(lab)["expert"] == "0"}
         assert len(b) == len(COMPUTE_BUCKETS) + 1
         assert b["2.5e-05"] == 1 and b["0.0025"] == 1 and b["0.005"] == 3 and b["2.5"] == 3 and b["+Inf"] == 4
-        assert s[("moe_expert_compute_seconds_count", frozenset({("expert", "0")}))] == 4
-        assert s[("moe_expert_compute_seconds_sum", frozenset({("expert", "0")}))] == pytest.approx(9.00602)
+        lab = frozenset({("expert", "0"), ("layer", "0")})
+        assert s[("moe_expert_compute_seconds_count", lab)] == 4
+        assert s[("moe_expert_compute_seconds_sum", lab)] == pytest.approx(9.00602)
 
         runner = threading.Thread(target=daemon.serve, daemon=True)
         runner.start()

@@ -10,6 +10,8 @@ head's namespace; a checking client (tests/layer_client.py) runs there too.
 - a worker actor's process SIGKILLed under load: Ray restarts it, the gateway learns its new
   URL and reconnects; every answer is right, the requests that needed it meanwhile got
   ``unavailable``, none was lost;
+- a Hugging Face checkpoint (tiny, random, built here) served by Ray-placed workers, each
+  node reading it from the shared path, equals transformers' own MoE blocks;
 - SIGTERM to the gateway ends its actors; the cluster goes with no process and no /dev/shm
   entry left.
 
@@ -231,3 +233,37 @@ def test_a_placement_the_cluster_cannot_hold_fails_at_start_saying_why(cluster):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "no Ray node can hold 1 worker(s) of 64 CPU(s)" in r.stderr
     assert all(f"{ip} alive CPU=" in r.stderr for ip in cluster.lan.ips)  # what the cluster has
+
+
+@pytest.mark.parametrize("case", ["qwen2_moe-bfloat16", "deepseek_v3-float32"])
+def test_a_checkpoint_served_by_ray_workers_equals_transformers(cluster, case, tmp_path_factory):
+    """Shared-expert pieces and routed experts placed on the three nodes' actors; every MoE
+    layer's output against transformers' block on the same input."""
+    from tests import models_fixture
+    from tests.torch_extra import require_torch_extra
+
+    require_torch_extra()
+    root = tmp_path_factory.getbasetemp() / "ray-models"
+    if not (root / case / "case.json").exists():
+        models_fixture.write(root)
+    d = root / case
+    dtype = json.loads((d / "case.json").read_text())["dtype"]
+    argv = cluster.lan.exec(0) + [
+        sys.executable, "-m", "gateway.cli", "--listen", f"tcp://{cluster.lan.ips[0]}:0", "--placement", "ray",
+        "--ray-address", cluster.ray.address, "--ray-cpus-per-worker", "0.5", "--checkpoint", str(d / "checkpoint"),
+        "--dtype", dtype, "--compute", "numpy", "--max-batch-tokens", "64", "--worker-timeout", "30"]
+    proc, url = spawn_service(argv, timeout=240.0, env=cluster.env)
+    try:
+        r = cluster.python("import json, sys; from pathlib import Path; from tests.models_fixture import compare_layers\n"
+                           f"worst, workers = compare_layers({url!r}, Path({str(d)!r}), timeout=60)\n"
+                           "print(json.dumps({'worst': worst, 'workers': workers}, default=str))", timeout=240)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        workers = out["workers"]
+        assert len(workers) == 3  # one actor per node
+        assert {w["url"].split("://")[0] for w in workers} == {"shm", "tcp"}
+        assert all(w["kernel"]["wire_dtype"] == dtype for w in workers)
+        served = sorted(e for w in workers for L, ids in w["layers"][:1] for e in ids)
+        assert served == sorted(set(served)) and len(served) >= 8  # every id of the layer, once
+    finally:
+        assert stop_process(proc, timeout=60.0) == 0

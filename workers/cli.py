@@ -14,10 +14,13 @@ import logging
 import os
 import signal
 import sys
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from transport.service import options
 from transport.service.launch import LISTENING
+
+if TYPE_CHECKING:
+    from workers.daemon import WorkerDaemon
 
 log = logging.getLogger("moe.worker")
 
@@ -112,6 +115,20 @@ def load_experts(args):
                         kind=args.compute, wire=args.dtype, max_tokens=args.max_tokens, threads=args.threads)
 
 
+def build_daemon(args: argparse.Namespace, listen: str, secret: Optional[bytes], *,
+                 watch_parent: Optional[int] = None) -> "WorkerDaemon":
+    """The worker these flags describe, listening on ``listen`` (moe-worker's own process,
+    or a Ray actor hosting one): its experts loaded, not yet serving."""
+    from workers.daemon import WorkerDaemon
+
+    served = load_experts(args)
+    return WorkerDaemon(served.experts, listen, fingerprints=served.fingerprints, checkpoint=served.checkpoint,
+                        max_tokens=args.max_tokens, slot_size=args.slot_size, nslots=args.nslots,
+                        io_timeout=args.io_timeout, drain_timeout=args.drain_timeout, drain_idle=args.drain_idle,
+                        watch_parent=watch_parent, secret=secret, update_dir=args.update_dir,
+                        max_connections=args.max_connections, idle_timeout=args.idle_timeout or None)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     options.setup_logging(args.log_level, "moe-worker")
@@ -120,7 +137,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from threadpoolctl import threadpool_limits
 
     from transport.service import secrets
-    from workers.daemon import WorkerDaemon
 
     limits = threadpool_limits(limits=args.threads)  # noqa: F841 (kept for the process's life)
     options.raise_fd_limit()
@@ -135,14 +151,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except OSError as e:  # no writable home (a container): no secret, loopback only
                 log.warning("no shared secret: cannot create the per-user default (%s)", e)
         options.check_exposure(args.listen, secret, args.insecure, "moe-worker")
-        served = load_experts(args)
-        daemon = WorkerDaemon(served.experts, args.listen, fingerprints=served.fingerprints,
-                              checkpoint=served.checkpoint, max_tokens=args.max_tokens, slot_size=args.slot_size,
-                              nslots=args.nslots, io_timeout=args.io_timeout,
-                              drain_timeout=args.drain_timeout, drain_idle=args.drain_idle,
-                              watch_parent=os.getppid() if args.exit_with_parent else None, secret=secret,
-                              update_dir=args.update_dir, max_connections=args.max_connections,
-                              idle_timeout=args.idle_timeout or None)
+        daemon = build_daemon(args, args.listen, secret,
+                              watch_parent=os.getppid() if args.exit_with_parent else None)
     except SystemExit:
         raise
     except Exception as e:
