@@ -45,7 +45,7 @@ from typing import Any, Callable, Generator, Optional
 
 from . import framing
 from .base import Deadline
-from .errors import AuthenticationError, ConnectionClosed, ProtocolError, Refused
+from .errors import AcceptFailed, AuthenticationError, ConnectionClosed, ProtocolError, Refused
 from .framing import Kind
 from .timing import HELLO_TIMEOUT  # noqa: F401  (re-exported: the listeners' handshake bound)
 
@@ -458,15 +458,17 @@ class Pending:
         return f"<Pending handshake from {self.peer}>"
 
 
-def accept_socket(lsock: socket.socket) -> Optional[tuple[socket.socket, Any]]:
+def accept_socket(lsock: socket.socket, url: str) -> Optional[tuple[socket.socket, Any]]:
     """One connection from a non-blocking listening socket, or None if none is waiting.
-    Errors other than "nothing there" (out of file descriptors, ...) propagate as OSError,
-    for the caller to back off."""
+    Errors other than "nothing there" (out of file descriptors, ...) raise AcceptFailed
+    (naming ``url``, the listener's), for the serve loop to back off."""
     try:
         sock, addr = lsock.accept()
     except (BlockingIOError, InterruptedError):
         return None
     except ConnectionAbortedError:
         return None  # the client gave up before we took it
+    except OSError as e:
+        raise AcceptFailed(f"{url}: accept failed: {e}", e.errno) from None
     sock.setblocking(False)
     return sock, addr

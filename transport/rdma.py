@@ -30,7 +30,7 @@ from typing import Any, Optional
 from . import handshake as hs
 from . import rdma_handshake as rh
 from .base import DEFAULT_NSLOTS, DEFAULT_SLOT_SIZE, DEFAULT_TIMEOUT, Deadline, Listener
-from .errors import AcceptFailed, ConnectionClosed, ProtocolError, Timeout
+from .errors import ConnectionClosed, ProtocolError, Timeout
 from .rdma_conn import RdmaConnection
 from .rdma_device import DeviceChoice, pick_device
 from .rdma_verbs import live_resources, require_pyverbs
@@ -130,10 +130,7 @@ class RdmaListener(Listener):
         return self.sock.fileno()
 
     def accept_pending(self) -> Optional[hs.Pending]:
-        try:
-            got = hs.accept_socket(self.sock)
-        except OSError as e:
-            raise AcceptFailed(f"{self.url}: accept failed: {e}", e.errno) from None
+        got = hs.accept_socket(self.sock, self.url)
         if got is None:
             return None
         sock, addr = got

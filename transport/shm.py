@@ -40,7 +40,7 @@ from . import framing
 from . import handshake as hs
 from .base import (BROKEN, DEFAULT_NSLOTS, DEFAULT_SLOT_SIZE, DEFAULT_TIMEOUT, Connection,
                    ConnectionStats, Deadline, Listener, Message)
-from .errors import AcceptFailed, ConnectionClosed, ProtocolError, Refused, Timeout
+from .errors import ConnectionClosed, ProtocolError, Refused, Timeout
 from .framing import CLOSE as _CLOSE
 from .framing import DATA as _DATA
 from .framing import SLOT_OVERHEAD, pack_slot_frame, parse_record, parse_slot_record, slot_header
@@ -650,10 +650,7 @@ class ShmListener(Listener):
         return self.sock.fileno()
 
     def accept_pending(self) -> Optional[hs.Pending]:
-        try:
-            got = hs.accept_socket(self.sock)
-        except OSError as e:
-            raise AcceptFailed(f"{self.url}: accept failed: {e}", e.errno) from None
+        got = hs.accept_socket(self.sock, self.url)
         if got is None:
             return None
         sock = got[0]

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from . import handshake as hs
 from .base import DEFAULT_NSLOTS, DEFAULT_SLOT_SIZE, DEFAULT_TIMEOUT, Deadline, Listener
-from .errors import AcceptFailed, ConnectionClosed, Timeout
+from .errors import ConnectionClosed, Timeout
 from .pool import BufferPool
 from .stream import StreamConnection
 
@@ -62,10 +62,7 @@ class TcpListener(Listener):
         return self.sock.fileno()
 
     def accept_pending(self) -> Optional[hs.Pending]:
-        try:
-            got = hs.accept_socket(self.sock)
-        except OSError as e:
-            raise AcceptFailed(f"{self.url}: accept failed: {e}", e.errno) from None
+        got = hs.accept_socket(self.sock, self.url)
         if got is None:
             return None
         sock, addr = got
