@@ -347,11 +347,12 @@ class RecordReader:
 class ReturnWriter:
     """We give the peer's slots back: push ids into the ring in the peer's segment."""
 
-    __slots__ = ("ids", "words", "tail", "mask")
+    __slots__ = ("ids", "words", "tail", "mask", "cap")
 
     def __init__(self, ids: memoryview, words: memoryview):
         self.ids, self.words = ids, words
-        self.mask = len(ids) - 1
+        self.cap = len(ids)
+        self.mask = self.cap - 1
         self.tail = words[W_RET_TAIL]
 
     def push_one(self, index: int) -> None:
