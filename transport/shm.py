@@ -51,8 +51,8 @@ from .framing import (CAP_SHM_FAST, FAST_HEAD, FAST_SIZE, MAX_FAST_RECORD, MAX_F
                       pack_slot_frame, parse_fast_record, parse_record, parse_slot_record, slot_header)
 from .pool import BufferPool, Slot, buffer_address, round_up
 from .shmring import (REC_HDR, W_ARMED_DATA, W_ARMED_SPACE, W_OUT_HEAD, W_OUT_TAIL, W_RET_HEAD, W_RET_TAIL, W_RUNG,
-                      Doorbell, Fence, Layout, RecordReader, RecordWriter, ReturnReader, ReturnWriter, Segment,
-                      pow2, ring_bell)
+                      W_RUNG_AT, Doorbell, Fence, Layout, RecordReader, RecordWriter, ReturnReader, ReturnWriter,
+                      Segment, pow2, ring_bell)
 from .timing import SHM_NAP, SHM_SPIN, SHM_SPIN_MIN
 
 __all__ = ["ShmConnection", "ShmListener", "connect", "listen"]
@@ -270,6 +270,9 @@ class ShmConnection(Connection):
 
     # -- doorbell -------------------------------------------------------------------
     def _ring(self) -> None:
+        # when we rang (the clock both processes share): lets a sleeper tell a message that
+        # came late from a wake-up that came late (see _wait_record)
+        self._pw[W_RUNG_AT] = time.monotonic_ns()
         ring_bell(self._peer_bell)
         self._rung_sent += 1
         self._pw[W_RUNG] = self._rung_sent  # after the write: a reader that sees it may clear
@@ -391,8 +394,11 @@ class ShmConnection(Connection):
 
         The spin adapts: it stays long while messages keep arriving within it, and halves
         (down to SPIN_MIN) each time a wait had to sleep for longer than the spin could
-        have covered, so an idle connection costs little CPU; a wait that slept but ended
-        soon after the spin would have, restores it."""
+        have covered, so an idle connection costs little CPU; a wait whose record came soon
+        after the spin would have caught it restores it. When the record came is the peer's
+        ring time if it says (W_RUNG_AT): on a loaded machine the wake-up itself can take
+        milliseconds, and counting those would keep the spin short exactly when every
+        sleep is expensive."""
         inr, w, pw = self._in, self._w, self._pw
         if timeout != 0 and not self._state:
             head = inr.head
@@ -419,7 +425,9 @@ class ShmConnection(Connection):
             n = inr.peek()
             if n >= 0:
                 if start:
-                    waited = time.perf_counter() - start
+                    now = time.perf_counter()  # CLOCK_MONOTONIC, like the peer's ring time
+                    rung = w[W_RUNG_AT] * 1e-9
+                    waited = (rung if start <= rung <= now else now) - start
                     self._spin = SPIN if waited < 4 * SPIN else max(SPIN_MIN, self._spin / 2)
                 return
             if self._state:
