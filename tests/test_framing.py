@@ -323,3 +323,56 @@ def test_parser_reads_nothing_beyond_limits_before_raising():
     parser = FrameParser()
     with pytest.raises(ProtocolError):
         parser.feed(struct.pack("<2sBBIQ", b"MT", framing.VERSION, Kind.DATA, 2**31, 0))
+
+
+# -- the negotiated fast record of shm rings ----------------------------------------------
+FAST_POOL = (4096, 8)  # slot_size, nslots
+
+
+@pytest.mark.parametrize("header", [{}, {"a": 1}, None, 0, "", [1, 2], {"layer": 3, "shape": [8, 64]}])
+def test_fast_record_round_trip(header):
+    user = b"" if header == {} and type(header) is dict else msgpack.packb(header, use_bin_type=True)
+    buf = bytearray(8 + framing.FAST_SIZE + len(user) + 8)
+    n = framing.pack_fast_record(buf, 8, user, 7, 4096)
+    assert n == framing.FAST_SIZE + len(user)
+    assert framing.parse_fast_record(buf, 8, n, *FAST_POOL) == (header, 7, 4096)
+    assert framing.parse_fast_record(memoryview(bytes(buf)), 8, n, *FAST_POOL) == (header, 7, 4096)
+
+
+def test_fast_record_is_not_a_frame_and_frames_are_not_fast_records():
+    buf = bytearray(framing.FAST_SIZE)
+    framing.pack_fast_record(buf, 0, b"", 1, 10)
+    with pytest.raises(ProtocolError, match="unknown frame kind"):  # parse_record never takes it
+        framing.parse_record(buf, 0, len(buf), *FAST_POOL)
+    with pytest.raises(ProtocolError, match="unknown frame kind"):  # nor does tcp
+        next_frame(memoryview(bytes(buf)), 0, len(buf), 4096, 4096)
+    rec = bytearray(framing.SLOT_OVERHEAD + 1)
+    framing.pack_slot_frame(rec, 0, b"\x80", 10, 1)
+    assert framing.parse_fast_record(rec, 0, len(rec), *FAST_POOL) is None
+    assert framing.parse_fast_record(b"\0" * 15, 0, 15, *FAST_POOL) is None  # too short to be one
+
+
+def _fast(slot=1, nbytes=10, user=b""):
+    return framing.FAST_HEAD.pack(framing.TAG_FAST, slot, nbytes) + user
+
+
+@pytest.mark.parametrize("rec,match", [
+    (_fast(slot=8), "outside"),  # a descriptor outside the slot pool
+    (_fast(slot=2**32 - 1), "outside"),
+    (_fast(nbytes=4097), "outside"),  # more bytes than a slot holds
+    (_fast(nbytes=2**64 - 1), "outside"),
+    (_fast(user=b"\xc1"), "undecodable"),  # never valid msgpack
+    (_fast(user=b"\x80\x80"), "undecodable"),  # two objects
+    (_fast(user=b"\x92\x01"), "undecodable"),  # a truncated one
+    (_fast(user=b"\x80" * (framing.MAX_FAST_USER + 1)), "exceeds the limit"),
+])
+def test_malformed_fast_records_raise(rec, match):
+    with pytest.raises(ProtocolError, match=match):
+        framing.parse_fast_record(rec, 0, len(rec), *FAST_POOL)
+
+
+def test_fast_parser_reads_nothing_outside_the_record():
+    rec = _fast(user=b"\x81\xa1k\x01")
+    for fill in (0x00, 0x80, 0xFF):
+        buf = bytes([fill]) * 5 + rec + bytes([fill]) * 40
+        assert framing.parse_fast_record(buf, 5, len(rec), *FAST_POOL) == ({"k": 1}, 1, 10)

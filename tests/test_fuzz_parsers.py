@@ -137,11 +137,16 @@ def test_next_frame_round_trips_what_frame_data_builds(header, bufs):
     assert (kind, h, lens, payload) == (Kind.DATA, header, [len(b) for b in bufs], b"".join(bufs))
 
 
-# -- shm: framing.parse_slot_record, framing.parse_record ------------------------------------
+# -- shm: framing.parse_fast_record, parse_slot_record, parse_record ---------------------------
 @st.composite
 def shm_records(draw):
     user = msgpack.packb(draw(headers), use_bin_type=True)
-    if draw(st.booleans()):  # the one-slot fixed-tail form send() writes
+    form = draw(st.integers(0, 2))
+    if form == 2:  # the negotiated fixed-width fast record ({} as no header bytes)
+        u = draw(st.one_of(st.just(b""), st.just(user)))
+        rec = bytes(framing.FAST_HEAD.pack(framing.TAG_FAST, draw(st.integers(0, NSLOTS + 2)),
+                                           draw(st.integers(0, SLOT_SIZE + 2))) + u)
+    elif form == 1:  # the one-slot fixed-tail form send() writes
         rec = bytearray(framing.SLOT_OVERHEAD + len(user))
         framing.pack_slot_frame(rec, 0, user, draw(st.integers(0, SLOT_SIZE + 2)),
                                 draw(st.integers(0, NSLOTS + 2)))
@@ -158,6 +163,13 @@ def shm_records(draw):
 
 def _records(buf: memoryview, p: int, end: int):
     n = end - p
+    try:  # the fast record: None (not one), a descriptor inside the pool, or ProtocolError
+        quick = framing.parse_fast_record(buf, p, n, SLOT_SIZE, NSLOTS)
+    except ProtocolError as e:
+        quick = ("ProtocolError", str(e))
+    if quick is not None and quick[0] != "ProtocolError":
+        _, s, k = quick
+        assert 0 <= s < NSLOTS and 0 <= k <= SLOT_SIZE and n <= framing.MAX_FAST_RECORD
     fast = framing.parse_slot_record(buf, p, n, SLOT_SIZE, NSLOTS)
     try:
         full = framing.parse_record(buf, p, n, SLOT_SIZE, NSLOTS)
@@ -172,7 +184,9 @@ def _records(buf: memoryview, p: int, end: int):
         assert sum(lens) == plen <= SLOT_SIZE and len(extra) == 2 * len(lens)
         for i, k in enumerate(lens):
             assert 0 <= extra[2 * i] < NSLOTS and 0 <= extra[2 * i + 1] <= SLOT_SIZE - k
-    return fast, full
+    if quick is not None:  # a fast record is never anything else
+        assert fast is None and full[0] == "ProtocolError", (quick, fast, full)
+    return quick, fast, full
 
 
 @SETTINGS

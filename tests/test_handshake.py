@@ -114,6 +114,31 @@ def test_bad_hello_fields(change, match):
         s.receive(wire[16:])
 
 
+@pytest.mark.parametrize("ccaps,scaps,shared", [
+    (("shm-fast-1",), ("shm-fast-1",), {"shm-fast-1"}),
+    (("shm-fast-1", "x"), ("y", "shm-fast-1"), {"shm-fast-1"}),
+    (("shm-fast-1",), (), set()),  # an old peer: no caps key at all, nothing shared
+    ((), ("shm-fast-1",), set()),
+])
+def test_capabilities_are_used_only_when_both_list_them(ccaps, scaps, shared):
+    c, s = _pair({"caps": ccaps}, {"caps": scaps})
+    _run(c, s)
+    assert c.shared_caps == s.shared_caps == shared
+    assert ("caps" in c.peer) == bool(scaps) and ("caps" in s.peer) == bool(ccaps)
+
+
+@pytest.mark.parametrize("caps", ["shm-fast-1", [1], ["x" * 65], ["c"] * 33, {"a": 1}])
+def test_malformed_capabilities_are_refused(caps):
+    s = hs.HelloExchange("server", "tcp", {"slot_size": 4096, "nslots": 4}, limits=LIMITS, caps=("shm-fast-1",))
+    hello = {"transport": "moe-transport", "version": framing.VERSION, "backend": "tcp", "role": "client",
+             "nonce": os.urandom(32), "auth": None, "slot_size": 4096, "nslots": 4, "caps": caps}
+    wire = b"".join(framing.encode_hello(hello))
+    s.receive(wire[:16])
+    with pytest.raises(ProtocolError, match="caps"):
+        s.receive(wire[16:])
+    assert s.refusal is not None  # the peer is told why
+
+
 def test_oversized_and_wrong_frames():
     s = hs.HelloExchange("server", "tcp", {"slot_size": 4096, "nslots": 4}, limits=LIMITS)
     with pytest.raises(ProtocolError, match="limit"):

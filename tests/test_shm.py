@@ -188,6 +188,95 @@ def test_slot_descriptor_outside_the_segment_is_rejected():
             c.close(), s.close(), lst.close()
 
 
+def _mixed_pair(client_fast: bool, server_fast: bool):
+    opts = {"slot_size": 1 << 16, "nslots": 4, "timeout": 5.0}
+    url = _url()
+    lst = transport.listen(url, fast=server_fast, **opts)
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("c", transport.connect(url, fast=client_fast, **opts)))
+    t.start()
+    try:
+        server = lst.accept(timeout=5)
+    finally:
+        t.join(5)
+    return lst, box["c"], server
+
+
+HEADERS = [{}, {"op": "fwd", "layer": 3, "shape": [8, 64]}, None, 0, "", [1, {}],
+           {"big": "x" * (framing.MAX_FAST_USER + 10)}]  # the last one is too big for a fast record
+
+
+@pytest.mark.parametrize("client_fast,server_fast", [(True, True), (True, False), (False, True), (False, False)])
+def test_fast_record_is_negotiated_and_old_peers_keep_msgpack(client_fast, server_fast):
+    """The fixed-width record is used only when both HELLOs offer it; otherwise (an older
+    peer, or fast=False) every message keeps the msgpack records, and nothing changes for
+    the application either way: headers round-trip exactly, slots come back."""
+    lst, c, s = _mixed_pair(client_fast, server_fast)
+    try:
+        both = client_fast and server_fast
+        assert c._fast is both and s._fast is both
+        for _ in range(3):  # more messages than slots: the credits come back
+            for a, b in ((c, s), (s, c)):
+                for h in HEADERS:
+                    slot = a.alloc(5)
+                    slot.buf[:] = b"hello"
+                    a.send(h, [slot])
+                    with b.recv(timeout=5) as m:
+                        assert m.header == h and type(m.header) is type(h)
+                        assert bytes(m.buffers[0]) == b"hello" and b.in_registered_memory(m.buffers[0])
+                a.send({"n": 2}, [a.alloc(3), b"xyz"])  # the general path beside the fast one
+                with b.recv(timeout=5) as m:
+                    assert m.header == {"n": 2} and [x.nbytes for x in m.buffers] == [3, 3]
+    finally:
+        c.close(), s.close(), lst.close()
+
+
+@pytest.mark.parametrize("slot,nbytes,user", [(4, 16, b""), (2**32 - 1, 0, b""), (0, (1 << 16) + 1, b""),
+                                              (0, 16, b"\xc1"), (0, 16, b"\x80\x80")])
+def test_bad_fast_record_breaks_the_connection(slot, nbytes, user):
+    """A fast record with a descriptor outside the slot pool, or a bad header: ProtocolError
+    from recv, the connection BROKEN, the peer told."""
+    lst, c, s = _pair()
+    try:
+        assert s._fast
+        raw.send_raw(c, framing.FAST_HEAD.pack(framing.TAG_FAST, slot, nbytes) + user)
+        with pytest.raises(ProtocolError):
+            s.recv(timeout=5)
+        assert s.closed and s.state == "BROKEN"
+        with pytest.raises(ConnectionClosed):
+            c.recv(timeout=5)
+    finally:
+        c.close(), s.close(), lst.close()
+
+
+def test_fast_record_without_negotiation_is_refused():
+    lst, c, s = _mixed_pair(True, False)
+    try:
+        raw.send_raw(c, framing.FAST_HEAD.pack(framing.TAG_FAST, 0, 16))
+        with pytest.raises(ProtocolError, match="unknown frame kind"):
+            s.recv(timeout=5)
+        assert s.state == "BROKEN"
+    finally:
+        c.close(), s.close(), lst.close()
+
+
+def test_fast_records_across_ring_wrap_around():
+    """Enough messages to wrap the record ring many times (padding at its end): the fast
+    record takes the long way there, in order, nothing lost."""
+    lst, c, s = _pair()
+    try:
+        user = {"pad": "y" * 200}
+        for i in range(3000):
+            slot = c.alloc(8)
+            slot.buf[:] = i.to_bytes(8, "little")
+            c.send({**user, "i": i}, [slot])
+            with s.recv(timeout=5) as m:
+                assert m.header["i"] == i and int.from_bytes(m.buffers[0], "little") == i
+        assert c.stats.messages_sent == s.stats.messages_received == 3000
+    finally:
+        c.close(), s.close(), lst.close()
+
+
 def test_a_ring_that_beats_its_counter_does_not_leave_the_fd_readable():
     """The peer writes our eventfd, then stores the ring counter; a scheduler may run us in
     between (for milliseconds on 2 cores). A wake-up with nothing to read must clear the

@@ -24,7 +24,7 @@ import pytest
 import transport
 from transport import shmring
 from transport.errors import ConnectionClosed, TransportError
-from transport.shmring import W_ARMED_DATA, W_ARMED_SPACE, W_OUT_HEAD, W_OUT_TAIL, W_RET_HEAD, W_RUNG
+from transport.shmring import W_ARMED_DATA, W_ARMED_SPACE, W_OUT_HEAD, W_OUT_TAIL, W_RET_HEAD, W_RUNG, W_RUNG_AT
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -313,7 +313,8 @@ def test_garbage_ring_counters_drop_only_that_connection(server, word, where):
 
 def test_garbage_doorbell_words_are_harmless(server):
     conn = transport.connect(server.url, **OPTS)
-    for words, w in ((conn._w, W_ARMED_DATA), (conn._w, W_ARMED_SPACE), (conn._pw, W_RUNG), (conn._w, W_RUNG)):
+    for words, w in ((conn._w, W_ARMED_DATA), (conn._w, W_ARMED_SPACE), (conn._pw, W_RUNG), (conn._w, W_RUNG),
+                     (conn._pw, W_RUNG_AT)):
         words[w] = 2**64 - 1  # words the server reads (or that only we read)
         for seq in range(3):
             echo(conn, seq)

@@ -5,7 +5,8 @@ Every receive path parses what a peer wrote with the functions of this module, i
 
 ==========================  ==========================================================
 tcp  (transport/stream.py)  :func:`next_frame` on the connection's read buffer
-shm  (transport/shm.py)     :func:`parse_slot_record`, then :func:`parse_record`
+shm  (transport/shm.py)     :func:`parse_fast_record` (negotiated), :func:`parse_slot_record`,
+                            then :func:`parse_record`
 rdma (transport/rdma_conn)  :func:`decode_in_buffer` (a SEND), :func:`decode_in_slot`
                             (a WRITE WITH IMMEDIATE), :func:`decode_credit_message`
 handshakes                  :func:`decode_prefix`, :func:`decode_hello`
@@ -31,6 +32,8 @@ rest: tcp checks magic, version and kind of a DATA prefix as one u32 compare
 (:data:`TAG_DATA`), and shm's one-slot record has a fixed-width msgpack tail
 (:data:`SLOT_TAIL`) that the receiver recognises with two struct unpacks. Anything that
 is not in the fast form falls through to the full validation, which explains the error.
+Peers that negotiate :data:`CAP_SHM_FAST` in the hello use a fixed-width record instead
+(:func:`pack_fast_record`, :func:`parse_fast_record`): no msgpack for the usual header.
 
 :class:`FrameParser` (feed it chunks of bytes, get :class:`Frame` objects) is a test and
 benchmark convenience driving :func:`next_frame`, the tcp parser.
@@ -293,6 +296,58 @@ def parse_record(data, p: int, n: int, slot_size: int, nslots: int) -> tuple:
     if total != plen:
         raise ProtocolError(f"buffer lengths sum to {total}, prefix says {plen}")
     return DATA, user, lens, extra, plen
+
+
+# -- the negotiated fast record (shm) ----------------------------------------------------
+# Between peers that both announce CAP_SHM_FAST in their HELLO, the common message (one
+# slot, a small header) is a fixed-width record instead of a msgpack frame: it is written
+# with one struct pack and read with one struct unpack, and the usual header {} costs no
+# bytes at all. An old peer never announces the capability and keeps the msgpack form.
+#
+#     tag    u32  b"MT" | VERSION | FAST_DATA, as one little-endian u32
+#     slot   u32  the sender's slot holding the payload (at offset 0)
+#     nbytes u64  payload length
+#     user        msgpack user header, 0..MAX_FAST_USER bytes; none at all means {}
+CAP_SHM_FAST = "shm-fast-1"
+FAST_DATA = 5  # a record kind of shm rings only, never a Kind: tcp's decode_prefix refuses it
+FAST_HEAD = struct.Struct("<IIQ")
+FAST_SIZE = FAST_HEAD.size  # 16
+MAX_FAST_USER = 512  # a header that packs larger takes the msgpack form
+MAX_FAST_RECORD = FAST_SIZE + MAX_FAST_USER
+TAG_FAST = struct.unpack("<I", PREFIX.pack(MAGIC, VERSION, FAST_DATA, 0, 0)[:4])[0]
+
+
+def pack_fast_record(data, pos: int, user: bytes, slot: int, nbytes: int) -> int:
+    """Write the fast record for packed user header ``user`` (b"" for {}) at ``data[pos]``;
+    its length. The caller checked ``len(user) <= MAX_FAST_USER``."""
+    FAST_HEAD.pack_into(data, pos, TAG_FAST, slot, nbytes)
+    if user:
+        q = pos + FAST_SIZE
+        data[q:q + len(user)] = user
+    return FAST_SIZE + len(user)
+
+
+def parse_fast_record(data, p: int, n: int, slot_size: int, nslots: int) -> Optional[tuple]:
+    """The record ``data[p:p+n]`` if it is a fast record: ``(user, slot, nbytes)``, with the
+    slot and its bytes inside the sender's pool of ``nslots`` slots of ``slot_size`` bytes.
+    None if its tag says it is something else (:func:`parse_record` handles those);
+    ProtocolError if it is a malformed fast record. Reads nothing outside ``data[p:p+n]``."""
+    if n < FAST_SIZE:
+        return None  # shorter than any fast record: parse_record says what it is
+    tag, s, k = FAST_HEAD.unpack_from(data, p)
+    if tag != TAG_FAST:
+        return None
+    if n > MAX_FAST_RECORD:
+        raise ProtocolError(f"fast record of {n} bytes exceeds the limit of {MAX_FAST_RECORD}")
+    if s >= nslots or k > slot_size:
+        raise ProtocolError(f"fast record: {k} B in slot {s}, outside the peer's {nslots} slots of {slot_size} B")
+    if n == FAST_SIZE:
+        return {}, s, k
+    try:  # exactly one object: trailing bytes raise ExtraData
+        user = _unpackb(data[p + FAST_SIZE:p + n], strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"fast record: undecodable header: {e}") from None
+    return user, s, k
 
 
 # -- registered buffers (rdma) ---------------------------------------------------------

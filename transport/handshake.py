@@ -4,7 +4,7 @@ Phase 1 runs on a byte stream (the tcp socket, the shm Unix socket, the rdma sid
 and is the same for every backend. It is sans-IO (:class:`HelloExchange`: bytes in, bytes
 out, validated results), in the style of h11::
 
-    both   HELLO {transport, version, backend, role, nonce, auth, <backend parameters>}
+    both   HELLO {transport, version, backend, role, nonce, auth, caps, <backend parameters>}
     both   check the peer's HELLO: identity, backend, and every size it announces against
            this side's own :class:`Limits` -- nothing is allocated on a peer's say-so
     both   ACCEPT {auth: proof or nil}, proof = HMAC-SHA256(secret, label(role) |
@@ -14,6 +14,10 @@ out, validated results), in the style of h11::
 
 Fresh nonces in both HELLOs make every proof single-use; the role label stops a proof from
 being reflected back; hashing both HELLOs binds the announced parameters to the secret.
+
+``caps`` lists optional wire features a side can receive (framing.CAP_SHM_FAST, say); a
+feature is used only when both HELLOs list it (:attr:`HelloExchange.shared_caps`), so a
+peer that predates it, and sends no ``caps``, keeps the format every version speaks.
 
 Authentication policy (mutual): a side with a secret accepts only a peer that proves the
 same secret, and a side without one refuses a peer that asks for it, so neither end can be
@@ -41,7 +45,7 @@ import select
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Optional
+from typing import Any, Callable, Generator, Optional, Sequence
 
 from . import framing
 from .base import Deadline
@@ -51,6 +55,8 @@ from .timing import HELLO_TIMEOUT  # noqa: F401  (re-exported: the listeners' ha
 
 #: the longest a HELLO may be (well below framing.MAX_HEADER: no backend needs more)
 MAX_HELLO = 4096
+#: a peer's capability list is at most this long, each name at most MAX_CAP_NAME characters
+MAX_CAPS, MAX_CAP_NAME = 32, 64
 NONCE_BYTES = 32
 AUTH_SCHEME = "hmac-sha256"
 _AUTH_LABEL = b"moe-transport/auth/v1\0"
@@ -103,6 +109,16 @@ class Limits:
                                     f"(raise it with the {option} option)")
 
 
+def peer_caps(peer: dict) -> frozenset:
+    """The capabilities a peer's HELLO lists (none if it has no ``caps``: an older
+    version); ProtocolError if the list is malformed or longer than MAX_CAPS."""
+    caps = peer.get("caps", [])
+    if type(caps) is not list or len(caps) > MAX_CAPS \
+            or any(type(c) is not str or len(c) > MAX_CAP_NAME for c in caps):
+        raise ProtocolError(f"handshake field caps={caps!r:.100} is invalid")
+    return frozenset(caps)
+
+
 # -- secrets -----------------------------------------------------------------------------
 def as_secret(secret: Any) -> Optional[bytes]:
     """A secret option as bytes (None stays None); an empty secret is refused, since it
@@ -141,7 +157,8 @@ class HelloExchange:
 
     def __init__(self, role: str, backend: str, params: dict, *, limits: Limits,
                  secret: Optional[bytes] = None,
-                 validate: Optional[Callable[[dict], None]] = None) -> None:
+                 validate: Optional[Callable[[dict], None]] = None,
+                 caps: Sequence[str] = ()) -> None:
         if role not in ("client", "server"):
             raise ValueError(f"role must be client or server, got {role!r}")
         self.role = role
@@ -152,6 +169,11 @@ class HelloExchange:
         hello = {"transport": "moe-transport", "version": framing.VERSION, "backend": backend,
                  "role": role, "nonce": os.urandom(NONCE_BYTES),
                  "auth": AUTH_SCHEME if secret is not None else None, **params}
+        self.caps = frozenset(caps)
+        if caps:  # no key at all without capabilities: the HELLO an old version sends
+            hello["caps"] = sorted(self.caps)
+        #: the capabilities both HELLOs list (set once the peer's HELLO is checked)
+        self.shared_caps: frozenset = frozenset()
         self._ours = _frame(hello)
         self._out = bytearray(self._ours)
         self._theirs = b""
@@ -230,6 +252,7 @@ class HelloExchange:
                                                  f"we know {AUTH_SCHEME!r}"), "auth")
         try:
             self.limits.check(peer)
+            shared = self.caps & peer_caps(peer)
             if self._validate is not None:
                 self._validate(peer)
         except ProtocolError as e:
@@ -242,6 +265,7 @@ class HelloExchange:
                 "peer requires a shared secret and this side has none (--secret-file or MOE_SECRET_FILE)"),
                 "auth")
         self.peer = peer
+        self.shared_caps = shared
         # the second frame says "accepted" (with our proof when there is a secret); nobody is
         # done before it has the peer's, so a refusal always reaches the side it refuses
         mine = None

@@ -16,7 +16,11 @@ send writes one small record per message: a framing DATA frame (prefix + msgpack
 [header, lens, extra]) where ``extra`` is ``[slot, offset, slot, offset, ...]`` per
 buffer, or the fixed-tail one-slot form (framing.pack_slot_frame); the receiver parses
 it with framing.parse_slot_record / parse_record and hands out memoryviews straight into
-the sender's slots. Releasing the message pushes the slot ids onto the return ring: that
+the sender's slots. When both HELLOs offer framing.CAP_SHM_FAST (``fast=True``, the
+default) a one-slot message with a small header is instead framing's fixed-width fast
+record, written and read in place with one struct call each; its send, recv, alloc and
+release paths inline the ring and pool operations, since on this path every Python
+call and attribute load is a measurable share of the latency. Releasing the message pushes the slot ids onto the return ring: that
 return is the credit. Unregistered buffers are staged into send slots (packed, one copy
 each, counted).
 
@@ -38,16 +42,17 @@ import msgpack
 
 from . import framing
 from . import handshake as hs
-from .base import (BROKEN, DEFAULT_NSLOTS, DEFAULT_SLOT_SIZE, DEFAULT_TIMEOUT, Connection,
+from .base import (BROKEN, DEFAULT_NSLOTS, DEFAULT_SLOT_SIZE, DEFAULT_TIMEOUT, OPEN, Connection,
                    ConnectionStats, Deadline, Listener, Message)
 from .errors import ConnectionClosed, ProtocolError, Refused, Timeout
 from .framing import CLOSE as _CLOSE
 from .framing import DATA as _DATA
-from .framing import SLOT_OVERHEAD, pack_slot_frame, parse_record, parse_slot_record, slot_header
+from .framing import (CAP_SHM_FAST, FAST_HEAD, FAST_SIZE, MAX_FAST_RECORD, SLOT_OVERHEAD, TAG_FAST,
+                      pack_slot_frame, parse_fast_record, parse_record, parse_slot_record, slot_header)
 from .pool import BufferPool, Slot, buffer_address, round_up
-from .shmring import (REC_HDR, W_ARMED_DATA, W_ARMED_SPACE, W_OUT_HEAD, W_OUT_TAIL, W_RUNG, Doorbell, Fence, Layout,
-                      RecordReader, RecordWriter, ReturnReader, ReturnWriter, Segment, pow2,
-                      ring_bell)
+from .shmring import (REC_HDR, W_ARMED_DATA, W_ARMED_SPACE, W_OUT_HEAD, W_OUT_TAIL, W_RET_HEAD, W_RET_TAIL, W_RUNG,
+                      W_RUNG_AT, Doorbell, Fence, Layout, RecordReader, RecordWriter, ReturnReader, ReturnWriter,
+                      Segment, pow2, ring_bell)
 from .timing import SHM_NAP, SHM_SPIN, SHM_SPIN_MIN
 
 __all__ = ["ShmConnection", "ShmListener", "connect", "listen"]
@@ -64,6 +69,9 @@ _pack = msgpack.Packer(use_bin_type=True).pack
 _REC_LEN = struct.Struct("<I")  # the ring's record length word (transport/shmring.py)
 _MAX_HEADER, _MAX_BUFFERS = framing.MAX_HEADER, framing.MAX_BUFFERS
 _MAX_RECORD_LEN = framing.PREFIX_SIZE + _MAX_HEADER  # the longest one-slot record the fast path writes
+# the ring's record header (u32 length, u32 spare) and framing's fast record, packed in one go
+_FAST_REC = struct.Struct("<II" + FAST_HEAD.format.lstrip("<"))
+_FAST_OFF = REC_HDR + FAST_SIZE  # where the user header starts, from the record header
 
 
 def _sock_name(name: str) -> str:
@@ -125,7 +133,8 @@ def _recv_fds(sock: socket.socket) -> hs.HandshakeGen:
 
 
 def _handshake(sock: socket.socket, role: str, url: str, slot_size: int, nslots: int, timeout: float,
-               limits: hs.Limits, secret: Optional[bytes], allowed_gids: Sequence[int]) -> hs.HandshakeGen:
+               limits: hs.Limits, secret: Optional[bytes], allowed_gids: Sequence[int],
+               fast: bool = True) -> hs.HandshakeGen:
     """Credentials, HELLO (+ AUTH) both ways, then each side creates its segment for the
     peer's (checked) limits and the two swap segment and doorbell fds."""
     creds = peer_credentials(sock)
@@ -139,7 +148,8 @@ def _handshake(sock: socket.socket, role: str, url: str, slot_size: int, nslots:
             pass
         raise
     ex = hs.HelloExchange(role, "shm", {"slot_size": slot_size, "nslots": nslots, "ring_bytes": RING_BYTES},
-                          limits=limits, secret=secret, validate=_validate)
+                          limits=limits, secret=secret, validate=_validate,
+                          caps=(CAP_SHM_FAST,) if fast else ())
     yield from hs.exchange(sock, ex)
     p_slot, p_nslots = ex.peer["slot_size"], ex.peer["nslots"]
     layout = Layout(RING_BYTES, pow2(max(p_nslots, 2)), p_slot, p_nslots, round_up(p_slot))
@@ -159,7 +169,7 @@ def _handshake(sock: socket.socket, role: str, url: str, slot_size: int, nslots:
         peer_bell = fds[1]
         fds = []
         conn = ShmConnection(url, sock, seg, peer_seg, bell, peer_bell, slot_size, nslots,
-                             default_timeout=timeout)
+                             default_timeout=timeout, fast=CAP_SHM_FAST in ex.shared_caps)
     except BaseException:  # GeneratorExit too: an abandoned handshake frees what it made
         for fd in fds:
             os.close(fd)
@@ -175,13 +185,57 @@ def _handshake(sock: socket.socket, role: str, url: str, slot_size: int, nslots:
 
 
 # -- the connection -----------------------------------------------------------------
+class _SlotMessage(Message):
+    """A one-slot message (the fast record, or the fixed-tail one): its token is the slot id,
+    and releasing it returns that slot straight into the peer's return ring."""
+
+    __slots__ = ()
+
+    def __init__(self, header: Any, buffers: list, conn: "ShmConnection", slot: int):
+        self.header = header
+        self.buffers = buffers
+        self.released = False
+        self._conn = conn
+        self._token = slot
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        bufs = self.buffers
+        self.buffers = []
+        for b in bufs:
+            b.release()
+        conn = self._conn
+        self._conn = None
+        if conn is None or conn._state >= BROKEN:
+            return
+        # the slot goes back: ReturnWriter.push_one and the wake-up check inlined (a
+        # corrupted return ring makes the connection BROKEN; release never raises)
+        gb, pw = conn._give_back, conn._pw
+        tail = gb.tail
+        if tail - pw[W_RET_HEAD] >= gb.cap:
+            conn._release_failed(ProtocolError("more slots returned than the peer has"))
+            return
+        gb.ids[tail & gb.mask] = self._token
+        gb.tail = tail = tail + 1
+        pw[W_RET_TAIL] = tail
+        conn._acq()  # full fence: the return published (store) before "armed" is read (load)
+        conn._rel()
+        if pw[W_ARMED_SPACE]:
+            conn._ring()
+
+
 class ShmConnection(Connection):
     """One shm connection after the handshake (used by one thread at a time)."""
 
     def __init__(self, url: str, sock: socket.socket, seg: Segment, peer_seg: Segment,
                  bell: Doorbell, peer_bell: int, slot_size: int, nslots: int,
-                 *, default_timeout: float = DEFAULT_TIMEOUT):
+                 *, default_timeout: float = DEFAULT_TIMEOUT, fast: bool = False):
         self.url = url
+        self._state = OPEN  # an instance attribute: the hot paths read it on every call
+        #: both HELLOs listed framing.CAP_SHM_FAST: common messages go as fast records
+        self._fast = fast
         self.default_timeout = default_timeout
         self.stats = ConnectionStats()
         self._sock = sock
@@ -190,10 +244,14 @@ class ShmConnection(Connection):
         lay = seg.layout
         self.max_message = lay.slot_size  # what the peer accepts (our pool is sized to it)
         self.send_pool = BufferPool(lay.slot_size, lay.nslots, buffer=seg.pool_mem, name=f"send:{url}")
+        pool = self.send_pool  # alloc's hot path pops the pool's free list itself
+        self._free, self._in_use, self._slots = pool._free, pool._in_use, pool._slots
         self._w = seg.words  # our control words
         self._pw = peer_seg.words  # the peer's
         self._out = RecordWriter(seg.ring, seg.words)
         self._in = RecordReader(peer_seg.ring, peer_seg.words)
+        self._in32 = peer_seg.ring.cast("I")  # record length words, read without a struct call
+        self._spins = range(16)
         self._returns = ReturnReader(seg.ret, seg.words)
         self._give_back = ReturnWriter(peer_seg.ret, peer_seg.words)
         fence = Fence()
@@ -212,6 +270,9 @@ class ShmConnection(Connection):
 
     # -- doorbell -------------------------------------------------------------------
     def _ring(self) -> None:
+        # when we rang (the clock both processes share): lets a sleeper tell a message that
+        # came late from a wake-up that came late (see _wait_record)
+        self._pw[W_RUNG_AT] = time.monotonic_ns()
         ring_bell(self._peer_bell)
         self._rung_sent += 1
         self._pw[W_RUNG] = self._rung_sent  # after the write: a reader that sees it may clear
@@ -260,14 +321,43 @@ class ShmConnection(Connection):
         if self._state >= BROKEN:
             raise self._closed_error()
         inr = self._in
+        pw = self._pw
         try:
+            head = inr.head
+            tail = pw[W_OUT_TAIL]
+            if tail == head:
+                self._wait_record(timeout)  # returns once a record is there
+                tail = pw[W_OUT_TAIL]
+            if self._fast:
+                # the negotiated fixed-width record, read in place: the ring checks of
+                # RecordReader.peek inlined for the one shape it can have (anything else,
+                # padding included, takes the general path below, which says what is wrong)
+                pos = head & inr.mask
+                n = self._in32[pos >> 2]
+                need = (n + 15) & ~7  # REC_HDR + n rounded up to 8
+                cap = inr.cap
+                if n <= MAX_FAST_RECORD and need <= tail - head <= cap and pos + need <= cap:
+                    fast = parse_fast_record(inr.data, pos + REC_HDR, n, self._recv_slot_size, self._recv_nslots)
+                    if fast is not None:
+                        inr.head = inr.next_head = head = head + need
+                        pw[W_OUT_HEAD] = head  # the record is parsed: its space goes back
+                        w = self._w
+                        w[W_ARMED_DATA] = 1  # re-armed only now (see below)
+                        if pw[W_ARMED_SPACE]:
+                            self._ring()
+                        if w[W_RUNG] != self._rung_seen:
+                            self._clear_bell()
+                        user, s, k = fast
+                        st = self.stats
+                        st.messages_received += 1
+                        st.bytes_received += k
+                        base = s * self._recv_stride
+                        return _SlotMessage(user, [self._recv_mem[base : base + k]], self, s)
             n = inr.peek()
-            if n < 0:
-                n = self._wait_record(timeout)
             p = inr.pos
             try:
-                # the common record, as send() writes it (framing's fixed-tail fast path);
-                # anything else takes the general path, same checks
+                # the one-slot msgpack record (framing's fixed-tail form, what a peer without
+                # the fast capability sends); anything else takes the general path, same checks
                 fast = parse_slot_record(inr.data, p, n, self._recv_slot_size, self._recv_nslots)
                 if fast is not None:
                     user, s, k = fast
@@ -275,7 +365,16 @@ class ShmConnection(Connection):
                     st.messages_received += 1
                     st.bytes_received += k
                     base = s * self._recv_stride
-                    return Message(user, [self._recv_mem[base : base + k]], None, self, s)
+                    return _SlotMessage(user, [self._recv_mem[base : base + k]], self, s)
+                if self._fast:
+                    fast = parse_fast_record(inr.data, p, n, self._recv_slot_size, self._recv_nslots)
+                    if fast is not None:  # a fast record after ring padding
+                        user, s, k = fast
+                        st = self.stats
+                        st.messages_received += 1
+                        st.bytes_received += k
+                        base = s * self._recv_stride
+                        return _SlotMessage(user, [self._recv_mem[base : base + k]], self, s)
                 return self._decode(p, n)
             finally:
                 inr.advance()  # the record is parsed into Python objects: free its space
@@ -290,14 +389,16 @@ class ShmConnection(Connection):
             self._abort(f"protocol error: {e}")
             raise
 
-    def _wait_record(self, timeout: Optional[float]) -> int:
-        """Busy-poll briefly, then sleep on the doorbell; the length of the next record.
+    def _wait_record(self, timeout: Optional[float]) -> None:
+        """Busy-poll briefly, then sleep on the doorbell, until a record is there.
 
         The spin adapts: it stays long while messages keep arriving within it, and halves
         (down to SPIN_MIN) each time a wait had to sleep for longer than the spin could
-        have covered, so an idle connection costs little CPU; a wait that slept but ended
-        soon after the spin would have, restores it."""
-        deadline = Deadline(timeout, self.default_timeout)
+        have covered, so an idle connection costs little CPU; a wait whose record came soon
+        after the spin would have caught it restores it. When the record came is the peer's
+        ring time if it says (W_RUNG_AT): on a loaded machine the wake-up itself can take
+        milliseconds, and counting those would keep the spin short exactly when every
+        sleep is expensive."""
         inr, w, pw = self._in, self._w, self._pw
         if timeout != 0 and not self._state:
             head = inr.head
@@ -305,22 +406,30 @@ class ShmConnection(Connection):
             start = clock()
             end = start + self._spin
             w[W_ARMED_DATA] = 0  # spinning: the peer need not ring
-            while pw[W_OUT_TAIL] == head and clock() < end:
-                pass
-            if pw[W_OUT_TAIL] != head:
-                return inr.peek()  # recv re-arms once the record is consumed
+            # the clock is read once per 16 looks at the tail: a look costs a fraction of
+            # a clock call, and how soon a record is seen is the latency
+            spins = self._spins
+            while True:
+                for _ in spins:
+                    if pw[W_OUT_TAIL] != head:
+                        return  # recv reads it, and re-arms once it is consumed
+                if clock() >= end:
+                    break
             w[W_ARMED_DATA] = 1
         else:
             start = 0.0
+        deadline = Deadline(timeout, self.default_timeout)
         while True:
             self._acq()  # full fence: "armed" (store) before the ring is re-read (load)
             self._rel()
             n = inr.peek()
             if n >= 0:
                 if start:
-                    waited = time.perf_counter() - start
+                    now = time.perf_counter()  # CLOCK_MONOTONIC, like the peer's ring time
+                    rung = w[W_RUNG_AT] * 1e-9
+                    waited = (rung if start <= rung <= now else now) - start
                     self._spin = SPIN if waited < 4 * SPIN else max(SPIN_MIN, self._spin / 2)
-                return n
+                return
             if self._state:
                 raise self._closed_error()
             if deadline.expired():
@@ -388,13 +497,15 @@ class ShmConnection(Connection):
             raise
         if not ids:
             return False
-        free = self.send_pool.free
-        for i in ids:
-            try:
-                free(i)
-            except ValueError as e:
-                self._abort(f"protocol error: peer returned a slot it did not have: {e}")
-                raise ProtocolError(f"peer returned a slot it did not have: {e}") from None
+        free, in_use, nslots = self._free, self._in_use, len(self._in_use)
+        for i in ids:  # BufferPool.free inlined, same checks
+            if i < nslots and in_use[i]:
+                in_use[i] = False
+                free.append(i)
+            else:
+                why = f"slot {i} out of range 0..{nslots - 1}" if i >= nslots else f"slot {i} freed twice"
+                self._abort(f"protocol error: peer returned a slot it did not have: {why}")
+                raise ProtocolError(f"peer returned a slot it did not have: {why}")
         return True
 
     def _wait_space(self, ready, deadline: Deadline, what: str) -> None:
@@ -430,6 +541,15 @@ class ShmConnection(Connection):
         return slot
 
     def alloc(self, nbytes: int, timeout: Optional[float] = None) -> Slot:
+        free = self._free
+        if not free and self._returns.ready() and not self._state:
+            self._take_returns()
+        if free and not self._state and 0 <= nbytes <= self.max_message:
+            i = free.pop()  # BufferPool.try_alloc inlined: last freed, first reused
+            self._in_use[i] = True
+            slot = self._slots[i]
+            slot.nbytes = nbytes
+            return slot
         if self._state:
             raise self._closed_error()
         if not 0 <= nbytes <= self.max_message:
@@ -445,35 +565,103 @@ class ShmConnection(Connection):
             b = buffers[0]
             if b.__class__ is Slot and b.pool is self.send_pool and not self._state:
                 # the hot path: one slot from alloc(), packed straight into the ring
-                try:
-                    uh = _pack(header)
-                except Exception as e:
-                    b.release()  # the slot belongs to the transport even when send raises
-                    raise TypeError(f"header is not msgpack-serialisable: {e}") from None
-                k = b.nbytes
-                reclen = SLOT_OVERHEAD + len(uh)
-                out = self._out
-                try:
-                    pos = out.reserve(REC_HDR + ((reclen + 7) & ~7)) if reclen <= _MAX_RECORD_LEN else -1
-                except ProtocolError as e:  # the peer corrupted the ring's head
-                    self._abort(f"protocol error: {e}")
-                    raise
-                if pos >= 0:
+                if self._fast:
+                    if header.__class__ is dict and not header:
+                        uh = b""  # the fast record's {}: no header bytes at all
+                        n = FAST_SIZE
+                    else:
+                        try:
+                            uh = _pack(header)
+                        except Exception as e:
+                            b.release()  # the slot belongs to the transport even when send raises
+                            raise TypeError(f"header is not msgpack-serialisable: {e}") from None
+                        n = FAST_SIZE + len(uh)
+                        if n > MAX_FAST_RECORD:
+                            self._send_slot(uh, b, timeout)
+                            return
+                    # RecordWriter.reserve and commit inlined for a record that fits
+                    # without padding (nearly always); anything else goes the long way
+                    out = self._out
+                    need = (n + 15) & ~7  # REC_HDR + n rounded up to 8
+                    old = out.tail
+                    pos = old & out.mask
+                    w = self._w
+                    if pos + need > out.cap or not 0 <= old - w[W_OUT_HEAD] <= out.cap - need:
+                        self._send_fast_slow(uh, n, b, timeout)
+                        return
+                    out.tail = new = old + need
+                    k = b.nbytes
                     data = out.data
-                    _REC_LEN.pack_into(data, pos, reclen)
-                    pack_slot_frame(data, pos + REC_HDR, uh, k, b.index)
-                    old = out.commit()
+                    _FAST_REC.pack_into(data, pos, n, 0, TAG_FAST, b.index, k)
+                    if uh:
+                        data[pos + _FAST_OFF : pos + REC_HDR + n] = uh
+                    w[W_OUT_TAIL] = new  # publish: x86-TSO orders it after the record's bytes
                     self._acq()  # full fence: the tail (store) before "armed", head (loads)
                     self._rel()
-                    if self._pw[W_ARMED_DATA] and out.words[W_OUT_HEAD] == old:
+                    if self._pw[W_ARMED_DATA] and w[W_OUT_HEAD] == old:
                         self._ring()  # armed, and it had taken all but our record
                     st = self.stats
                     st.messages_sent += 1
                     st.bytes_sent += k
                     return
-                self._send_head(slot_header(uh, k, b.index), k, [b], timeout, None)
+                try:
+                    uh = _pack(header)
+                except Exception as e:
+                    b.release()
+                    raise TypeError(f"header is not msgpack-serialisable: {e}") from None
+                self._send_slot(uh, b, timeout)
                 return
         self._send_general(header, buffers, timeout)
+
+    def _send_fast_slow(self, uh: bytes, n: int, b: Slot, timeout: Optional[float]) -> None:
+        """The fast record when the ring needs padding first, or is full (then wait for room)."""
+        out = self._out
+        k = b.nbytes
+        try:
+            pos = out.reserve((n + 15) & ~7)
+        except ProtocolError as e:  # the peer corrupted the ring's head
+            self._abort(f"protocol error: {e}")
+            raise
+        if pos < 0:  # the ring is full: wait for room like any record
+            self._send_record(FAST_HEAD.pack(TAG_FAST, b.index, k), uh, k, [b], timeout, None)
+            return
+        data = out.data
+        _FAST_REC.pack_into(data, pos, n, 0, TAG_FAST, b.index, k)
+        if uh:
+            data[pos + _FAST_OFF : pos + REC_HDR + n] = uh
+        old = out.commit()
+        self._acq()  # full fence: the tail (store) before "armed", head (loads)
+        self._rel()
+        if self._pw[W_ARMED_DATA] and out.words[W_OUT_HEAD] == old:
+            self._ring()
+        st = self.stats
+        st.messages_sent += 1
+        st.bytes_sent += k
+
+    def _send_slot(self, uh: bytes, b: Slot, timeout: Optional[float]) -> None:
+        """The fixed-tail msgpack record for slot ``b`` (a peer without the fast record)."""
+        k = b.nbytes
+        out = self._out
+        reclen = SLOT_OVERHEAD + len(uh)
+        try:
+            pos = out.reserve(REC_HDR + ((reclen + 7) & ~7)) if reclen <= _MAX_RECORD_LEN else -1
+        except ProtocolError as e:  # the peer corrupted the ring's head
+            self._abort(f"protocol error: {e}")
+            raise
+        if pos < 0:
+            self._send_head(slot_header(uh, k, b.index), k, [b], timeout, None)
+            return
+        data = out.data
+        _REC_LEN.pack_into(data, pos, reclen)
+        pack_slot_frame(data, pos + REC_HDR, uh, k, b.index)
+        old = out.commit()
+        self._acq()  # full fence: the tail (store) before "armed", head (loads)
+        self._rel()
+        if self._pw[W_ARMED_DATA] and out.words[W_OUT_HEAD] == old:
+            self._ring()  # armed, and it had taken all but our record
+        st = self.stats
+        st.messages_sent += 1
+        st.bytes_sent += k
 
     def _send_general(self, header: Any, buffers: Sequence, timeout: Optional[float]) -> None:
         pool = self.send_pool
@@ -496,14 +684,20 @@ class ShmConnection(Connection):
     def _send_head(self, head: bytes, total: int, owned: list, timeout: Optional[float],
                    deadline: Optional[Deadline]) -> None:
         """Write the record prefix + ``head``, waiting (bounded) for ring space."""
+        hlen = len(head)
+        if hlen > _MAX_HEADER:
+            for s in owned:
+                s.release()
+            raise ValueError(f"header of {hlen} bytes exceeds the limit of {_MAX_HEADER}")
+        self._send_record(framing.encode_prefix(_DATA, hlen, total), head, total, owned, timeout, deadline)
+
+    def _send_record(self, prefix: bytes, head: bytes, total: int, owned: list, timeout: Optional[float],
+                     deadline: Optional[Deadline]) -> None:
+        """Write the record ``prefix + head``, waiting (bounded) for ring space."""
         out = self._out
         try:
             if self._state:
                 raise self._closed_error()
-            hlen = len(head)
-            if hlen > _MAX_HEADER:
-                raise ValueError(f"header of {hlen} bytes exceeds the limit of {_MAX_HEADER}")
-            prefix = framing.encode_prefix(_DATA, hlen, total)
             old = out.push(prefix, head)
             if old is None:
                 self._wait_space(lambda: not self._state and out.push(prefix, head) is not None,
@@ -614,10 +808,11 @@ class ShmConnection(Connection):
         # keeps) go now; one the application still exports (a numpy array over a slot or an
         # unreleased message) keeps its mapping alive until it is gone
         self.send_pool.close()
-        try:
-            self._recv_mem.release()
-        except BufferError:
-            pass
+        for v in (self._recv_mem, self._in32):
+            try:
+                v.release()
+            except BufferError:
+                pass
         self._peer_seg.close()
         self._seg.close()
 
@@ -627,13 +822,14 @@ class ShmListener(Listener):
     def __init__(self, name: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = DEFAULT_NSLOTS,
                  timeout: float = DEFAULT_TIMEOUT, backlog: int = 128, secret: Any = None,
                  max_peer_slot_size: Optional[int] = None, max_peer_nslots: Optional[int] = None,
-                 allowed_gids: Sequence[int] = ()):
+                 allowed_gids: Sequence[int] = (), fast: bool = True):
         if slot_size <= 0 or nslots <= 0:
             raise ValueError("slot_size and nslots must be positive")
         self.secret = hs.as_secret(secret)
         self.limits = hs.Limits.for_endpoint(slot_size, nslots, max_slot_size=max_peer_slot_size,
                                              max_nslots=max_peer_nslots)
         self.allowed_gids = tuple(allowed_gids)
+        self.fast = fast
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             self.sock.bind(_sock_name(name))
@@ -657,7 +853,7 @@ class ShmListener(Listener):
         self._n += 1
         url = f"{self.url}#{self._n}"
         gen = _handshake(sock, "server", url, self.slot_size, self.nslots, self.timeout, self.limits,
-                         self.secret, self.allowed_gids)
+                         self.secret, self.allowed_gids, self.fast)
         return hs.Pending(gen, sock, url)
 
     def close(self) -> None:
@@ -666,14 +862,17 @@ class ShmListener(Listener):
 
 def listen(address: str, **options: Any) -> ShmListener:
     """Listen on ``shm://address`` (options: slot_size, nslots, timeout, secret,
-    max_peer_slot_size, max_peer_nslots, allowed_gids)."""
+    max_peer_slot_size, max_peer_nslots, allowed_gids, fast: offer the fixed-width fast
+    record, used when the peer offers it too; False keeps every message msgpack-framed)."""
     return ShmListener(address, **options)
 
 
 def connect(address: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = DEFAULT_NSLOTS,
             timeout: float = DEFAULT_TIMEOUT, secret: Any = None, max_peer_slot_size: Optional[int] = None,
-            max_peer_nslots: Optional[int] = None, allowed_gids: Sequence[int] = ()) -> ShmConnection:
-    """Connect to ``shm://address``; blocks (bounded by ``timeout``) on the handshake."""
+            max_peer_nslots: Optional[int] = None, allowed_gids: Sequence[int] = (),
+            fast: bool = True) -> ShmConnection:
+    """Connect to ``shm://address``; blocks (bounded by ``timeout``) on the handshake
+    (``fast``: as for :func:`listen`)."""
     if slot_size <= 0 or nslots <= 0:
         raise ValueError("slot_size and nslots must be positive")
     secret = hs.as_secret(secret)
@@ -691,7 +890,7 @@ def connect(address: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = D
             raise ConnectionClosed(f"cannot connect to shm://{address}: {e}") from None
         sock.setblocking(False)
         gen = _handshake(sock, "client", f"shm://{address}", slot_size, nslots, timeout, limits, secret,
-                         tuple(allowed_gids))
+                         tuple(allowed_gids), fast)
         return hs.run(gen, sock.fileno(), deadline, "in the shm handshake")
     except BaseException:
         sock.close()

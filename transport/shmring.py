@@ -42,6 +42,7 @@ W_RET_HEAD = 8 * 4     # owner: returned ids taken back into the pool
 W_ARMED_DATA = 8 * 5   # owner: 1 = "ring my bell when you publish a record"
 W_ARMED_SPACE = 8 * 6  # owner: 1 = "ring my bell when you free ring space or return slots"
 W_RUNG = 8 * 7         # peer: how many times it rang the owner's bell
+W_RUNG_AT = W_RUNG + 1  # peer: CLOCK_MONOTONIC ns of its latest ring (0: an older peer that never says)
 CTL_WORDS = 8 * 8
 #: the seals every segment must carry before the other side maps it
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
@@ -347,11 +348,12 @@ class RecordReader:
 class ReturnWriter:
     """We give the peer's slots back: push ids into the ring in the peer's segment."""
 
-    __slots__ = ("ids", "words", "tail", "mask")
+    __slots__ = ("ids", "words", "tail", "mask", "cap")
 
     def __init__(self, ids: memoryview, words: memoryview):
         self.ids, self.words = ids, words
-        self.mask = len(ids) - 1
+        self.cap = len(ids)
+        self.mask = self.cap - 1
         self.tail = words[W_RET_TAIL]
 
     def push_one(self, index: int) -> None:

@@ -5,9 +5,10 @@
 
 The first input byte picks the target -- tcp's next_frame walk, shm's record parsers
 (fast and full, which must agree), rdma's receive-buffer, slot and credit-message
-decoders, the handshake's HELLO -- and the rest is what a peer wrote. Any exception other
-than ProtocolError, any result that points outside the input, or a fast path that
-disagrees with the full validation, is a crash (atheris saves the input).
+decoders, the handshake's HELLO, shm's negotiated fast record -- and the rest is what a
+peer wrote. Any exception other than ProtocolError, any result that points outside the
+input, or a fast path that disagrees with the full validation, is a crash (atheris saves
+the input).
 tests/test_fuzz_parsers.py holds the hypothesis properties of the same targets.
 """
 from __future__ import annotations
@@ -61,6 +62,19 @@ def _records(data: bytes) -> None:
             assert 0 <= extra[2 * i] < NSLOTS and 0 <= extra[2 * i + 1] <= SLOT_SIZE - k
 
 
+def _fast_record(data: bytes) -> None:
+    got = framing.parse_fast_record(data, 0, len(data), SLOT_SIZE, NSLOTS)
+    if got is not None:  # a fast record is a descriptor inside the pool and nothing else
+        _, s, k = got
+        assert 0 <= s < NSLOTS and 0 <= k <= SLOT_SIZE and len(data) <= framing.MAX_FAST_RECORD
+        assert framing.parse_slot_record(data, 0, len(data), SLOT_SIZE, NSLOTS) is None
+        try:
+            framing.parse_record(data, 0, len(data), SLOT_SIZE, NSLOTS)
+        except ProtocolError:
+            return
+        raise AssertionError("the full validation accepted a fast record")
+
+
 def _in_buffer(data: bytes) -> None:
     got = framing.decode_in_buffer(data, 0, len(data), max(SMALL, len(data)), MAX_PAYLOAD)
     if got[0] == framing.DATA:
@@ -83,7 +97,7 @@ def _hello(data: bytes) -> None:
     assert isinstance(framing.decode_hello(data[framing.PREFIX_SIZE:]), dict)
 
 
-TARGETS = [_next_frame, _records, _in_buffer, _in_slot, _credits, _hello]
+TARGETS = [_next_frame, _records, _in_buffer, _in_slot, _credits, _hello, _fast_record]
 
 
 def test_one_input(data: bytes) -> None:
@@ -106,7 +120,8 @@ def _seeds() -> list[bytes]:
     slot = (framing.encode_prefix(framing.DATA, len(head), 4) + head).ljust(framing.payload_offset(len(head)), b"\0")
     return [bytes([0]) + data + framing.frame_credit(2) + framing.frame_close(), bytes([1]) + bytes(rec),
             bytes([2]) + send, bytes([3]) + slot + b"wxyz", bytes([4]) + b"\x93\x01\x00\x91\x02",
-            bytes([5]) + b"".join(framing.encode_hello({"slot_size": 4096, "nslots": 4}))]
+            bytes([5]) + b"".join(framing.encode_hello({"slot_size": 4096, "nslots": 4})),
+            bytes([6]) + framing.FAST_HEAD.pack(framing.TAG_FAST, 2, 100) + b"\x81\xa1k\x01"]
 
 
 def main(argv: list[str]) -> None:
