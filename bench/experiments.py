@@ -102,7 +102,7 @@ def combine(pt: dict, trials: list[dict]) -> dict:
 
 
 def run_points(args, prov: dict) -> int:
-    from bench.provenance import write_json_atomic
+    from bench.provenance import emit_report, write_json_atomic
 
     backend = (args.backend or ["shm"])[0]
     trials: list[list[dict]] = [[] for _ in args.points]
@@ -132,11 +132,7 @@ def run_points(args, prov: dict) -> int:
                      f"TPOT mean {a['tpot_mean_ms']:.2f} ms p99 {a['tpot_p99_ms']:.2f} ms")
     points = [combine(pt, t) for pt, t in zip(args.points, trials)]
     md = markdown(args, prov, points)
-    print(md, flush=True)
-    if args.markdown:
-        os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
-        with open(args.markdown, "w") as f:
-            f.write(md + "\n")
+    emit_report(md, args.markdown)
     if args.json:
         doc = {"provenance": prov, "experiment": {"kind": args.points[0]["kind"],
                                                   "axes": sorted({p["axis"] for p in args.points}),

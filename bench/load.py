@@ -979,7 +979,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from bench import load_report as R
-    from bench.provenance import provenance, write_json_atomic
+    from bench.provenance import emit_report, provenance, write_json_atomic
     prov = provenance()
     _resolve(args)
     if args.points:
@@ -988,11 +988,7 @@ def _run(args: argparse.Namespace) -> int:
     res = measure(args)
     runs, measured, models, meta = res["runs"], res["measured"], res["models"], res["meta"]
     md = R.markdown(runs, res["ratios"], res["targets"], models, res["scenario"], args, prov, meta)
-    print(md, flush=True)
-    if args.markdown:
-        os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
-        with open(args.markdown, "w") as f:
-            f.write(md + "\n")
+    emit_report(md, args.markdown)
     if args.json:
         moe = [r for r in measured if r["system"] == "moe-transport"]
         doc = {"provenance": prov, "meta": meta, "results": [rec for r in measured for rec in r["records"]],

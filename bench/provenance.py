@@ -90,6 +90,15 @@ def provenance() -> dict:
             "numpy": np.__version__}
 
 
+def emit_report(md: str, path: Optional[str]) -> None:
+    """Print a report to stdout, and write it to ``path`` too when one is given."""
+    print(md, flush=True)
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(md + "\n")
+
+
 def write_json_atomic(path: str, doc: dict) -> None:
     """Write ``doc`` to ``path`` through a temporary file and a rename, so a reader (or a run
     interrupted half-way through a write) never sees a partial file."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import mmap
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -216,3 +216,51 @@ class BufferPool:
 
     def __repr__(self) -> str:
         return f"<BufferPool {self.name} {self.nslots}x{self.slot_size} B, {self.available} free>"
+
+
+# -- a general message's buffers, for backends that pass slot descriptors (shm, inproc) -------
+
+def describe_buffers(buffers: Sequence, pool: "BufferPool", max_message: int, max_buffers: int
+                     ) -> tuple[list, list, list, int]:
+    """(lens, extra, others, total) of a message's buffers: ``extra`` holds a (slot, offset)
+    pair per buffer, (index, 0) for a slot of ``pool`` and (-1, 0) for a buffer still to be
+    staged; ``others`` lists those as (position, byte view). ValueError past the peer's
+    ``max_message`` bytes or ``max_buffers`` buffers."""
+    lens: list = []
+    extra: list = []
+    others: list = []
+    for b in buffers:
+        if type(b) is Slot and b.pool is pool:
+            lens.append(b.nbytes)
+            extra += (b.index, 0)
+        else:
+            mv = memoryview(b)
+            if mv.ndim != 1 or mv.itemsize != 1:
+                mv = mv.cast("B")
+            others.append((len(lens), mv))
+            lens.append(mv.nbytes)
+            extra += (-1, 0)
+    total = sum(lens)
+    if total > max_message:
+        raise ValueError(f"message of {total} bytes exceeds the peer's limit of {max_message}")
+    if len(lens) > max_buffers:
+        raise ValueError(f"{len(lens)} buffers exceed the limit of {max_buffers}")
+    return lens, extra, others, total
+
+
+def stage_buffers(others: list, extra: list, alloc: Callable[[], "Slot"], slot_size: int, owned: list) -> int:
+    """Copy the unregistered buffers ``describe_buffers`` found into send slots from
+    ``alloc``, packed (64-byte aligned) into as few as fit, filling in their ``extra``
+    pairs; the slots go to ``owned``. Returns the copies made (one per buffer)."""
+    slot, used = None, 0
+    for i, mv in others:
+        n = mv.nbytes
+        if slot is None or used + n > slot_size:
+            slot = alloc()
+            owned.append(slot)
+            used = 0
+        slot.whole[used : used + n] = mv
+        extra[2 * i] = slot.index
+        extra[2 * i + 1] = used
+        used = round_up(used + n)
+    return len(others)

@@ -49,7 +49,7 @@ from .framing import CLOSE as _CLOSE
 from .framing import DATA as _DATA
 from .framing import (CAP_SHM_FAST, FAST_HEAD, FAST_SIZE, MAX_FAST_RECORD, SLOT_OVERHEAD, TAG_FAST,
                       pack_slot_frame, parse_fast_record, parse_record, parse_slot_record, slot_header)
-from .pool import BufferPool, Slot, buffer_address, round_up
+from .pool import BufferPool, Slot, buffer_address, describe_buffers, round_up, stage_buffers
 from .shmring import (REC_HDR, W_ARMED_DATA, W_ARMED_SPACE, W_OUT_HEAD, W_OUT_TAIL, W_RET_HEAD, W_RET_TAIL, W_RUNG,
                       W_RUNG_AT, Doorbell, Fence, Layout, RecordReader, RecordWriter, ReturnReader, ReturnWriter,
                       Segment, pow2, ring_bell)
@@ -347,6 +347,7 @@ class ShmConnection(Connection):
                             self._ring()
                         if w[W_RUNG] != self._rung_seen:
                             self._clear_bell()
+                        # _one_slot_message inlined: this is the hot path, a call costs here
                         user, s, k = fast
                         st = self.stats
                         st.messages_received += 1
@@ -359,22 +360,10 @@ class ShmConnection(Connection):
                 # the one-slot msgpack record (framing's fixed-tail form, what a peer without
                 # the fast capability sends); anything else takes the general path, same checks
                 fast = parse_slot_record(inr.data, p, n, self._recv_slot_size, self._recv_nslots)
-                if fast is not None:
-                    user, s, k = fast
-                    st = self.stats
-                    st.messages_received += 1
-                    st.bytes_received += k
-                    base = s * self._recv_stride
-                    return _SlotMessage(user, [self._recv_mem[base : base + k]], self, s)
-                if self._fast:
+                if fast is None and self._fast:  # a fast record after ring padding
                     fast = parse_fast_record(inr.data, p, n, self._recv_slot_size, self._recv_nslots)
-                    if fast is not None:  # a fast record after ring padding
-                        user, s, k = fast
-                        st = self.stats
-                        st.messages_received += 1
-                        st.bytes_received += k
-                        base = s * self._recv_stride
-                        return _SlotMessage(user, [self._recv_mem[base : base + k]], self, s)
+                if fast is not None:
+                    return self._one_slot_message(*fast)
                 return self._decode(p, n)
             finally:
                 inr.advance()  # the record is parsed into Python objects: free its space
@@ -448,6 +437,14 @@ class ShmConnection(Connection):
                     raise Timeout("timed out waiting for a message")
                 continue
             self._sleep(deadline)
+
+    def _one_slot_message(self, user: Any, s: int, k: int) -> Message:
+        """The message of a one-slot record: ``k`` bytes of receive slot ``s``, where they landed."""
+        st = self.stats
+        st.messages_received += 1
+        st.bytes_received += k
+        base = s * self._recv_stride
+        return _SlotMessage(user, [self._recv_mem[base : base + k]], self, s)
 
     def _decode(self, p: int, n: int) -> Message:
         """Any record at ``ring[p:p+n]`` (framing.parse_record checks it); views into the slots."""
@@ -721,44 +718,11 @@ class ShmConnection(Connection):
 
     def _describe(self, buffers: Sequence, owned: list, deadline: Deadline) -> tuple:
         """lens and slot descriptors of a general message, unregistered buffers staged."""
-        pool = self.send_pool
-        lens, extra, others = [], [], []
-        for b in buffers:
-            if type(b) is Slot and b.pool is pool:
-                lens.append(b.nbytes)
-                extra += (b.index, 0)
-            else:
-                mv = memoryview(b)
-                if mv.ndim != 1 or mv.itemsize != 1:
-                    mv = mv.cast("B")
-                others.append((len(lens), mv))
-                lens.append(mv.nbytes)
-                extra += (-1, 0)
-        total = sum(lens)
-        if total > self.max_message:
-            raise ValueError(f"message of {total} bytes exceeds the peer's limit of {self.max_message}")
-        if len(lens) > _MAX_BUFFERS:
-            raise ValueError(f"{len(lens)} buffers exceed the limit of {_MAX_BUFFERS}")
+        lens, extra, others, total = describe_buffers(buffers, self.send_pool, self.max_message, _MAX_BUFFERS)
         if others:
-            self._stage(others, extra, owned, deadline)
+            self.stats.copies += stage_buffers(others, extra, lambda: self._alloc_slot(deadline),
+                                               self.max_message, owned)
         return lens, extra, total
-
-    def _stage(self, others: list, extra: list, owned: list, deadline: Deadline) -> None:
-        """Copy unregistered buffers into send slots, packed (64-byte aligned) into as few
-        slots as they fit: one copy per buffer, counted."""
-        slot, used = None, 0
-        size = self.max_message
-        for i, mv in others:
-            n = mv.nbytes
-            if slot is None or used + n > size:
-                slot = self._alloc_slot(deadline)
-                owned.append(slot)
-                used = 0
-            slot.whole[used : used + n] = mv
-            extra[2 * i] = slot.index
-            extra[2 * i + 1] = used
-            used = round_up(used + n)
-            self.stats.copies += 1
 
     # -- lifecycle ------------------------------------------------------------------
     def in_registered_memory(self, buf) -> bool:

@@ -32,7 +32,7 @@ from transport import handshake as hs
 from transport.base import (BROKEN, DEFAULT_NSLOTS, DEFAULT_SLOT_SIZE, DEFAULT_TIMEOUT, OPEN, Connection,
                             ConnectionStats, Deadline, Listener, Message)
 from transport.errors import AuthenticationError, ConnectionClosed, ProtocolError, Refused, Timeout, TransportError
-from transport.pool import BufferPool, Slot, round_up
+from transport.pool import BufferPool, Slot, describe_buffers, stage_buffers
 
 __all__ = ["CAPABILITIES", "InprocConnection", "InprocListener", "connect", "listen"]
 
@@ -230,39 +230,14 @@ class InprocConnection(Connection):
             rec = bytearray(framing.SLOT_OVERHEAD + len(user))
             framing.pack_slot_frame(rec, 0, user, b.nbytes, b.index)
             return bytes(rec), b.nbytes
-        pool = self.send_pool
-        lens, extra, others = [], [], []
-        for b in buffers:
-            if type(b) is Slot and b.pool is pool:
-                lens.append(b.nbytes)
-                extra += (b.index, 0)
-            else:
-                mv = memoryview(b)
-                if mv.ndim != 1 or mv.itemsize != 1:
-                    mv = mv.cast("B")
-                others.append((len(lens), mv))
-                lens.append(mv.nbytes)
-                extra += (-1, 0)
-        total = sum(lens)
-        if total > self.max_message:
-            raise ValueError(f"message of {total} bytes exceeds the peer's limit of {self.max_message}")
-        if len(lens) > framing.MAX_BUFFERS:
-            raise ValueError(f"{len(lens)} buffers exceed the limit of {framing.MAX_BUFFERS}")
+        lens, extra, others, total = describe_buffers(buffers, self.send_pool, self.max_message,
+                                                      framing.MAX_BUFFERS)
         head = _pack([header, lens, extra])
         if len(head) > framing.MAX_HEADER:
             raise ValueError(f"header of {len(head)} bytes exceeds the limit of {framing.MAX_HEADER}")
         if others:  # one copy per unregistered buffer, packed into as few slots as fit
-            slot, used = None, 0
-            for i, mv in others:
-                n = mv.nbytes
-                if slot is None or used + n > self.max_message:
-                    slot = self._slot(-1, deadline)
-                    owned.append(slot)
-                    used = 0
-                slot.whole[used:used + n] = mv
-                extra[2 * i], extra[2 * i + 1] = slot.index, used
-                used = round_up(used + n)
-                self.stats.copies += 1
+            self.stats.copies += stage_buffers(others, extra, lambda: self._slot(-1, deadline), self.max_message,
+                                               owned)
             head = _pack([header, lens, extra])
         return framing.encode_prefix(framing.DATA, len(head), total) + head, total
 
