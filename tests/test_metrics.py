@@ -291,13 +291,21 @@ def test_every_dashboard_query_on_a_real_prometheus(tmp_path):
         exported = {name for (name, _) in scrape(s.gateway_metrics)}
         for u in s.worker_metrics:
             exported |= {name for (name, _) in scrape(u)}
-        empty = []
-        for title, expr in exprs:
-            q = expr.replace("$__rate_interval", "5s")
-            result = _query(base, q)  # asserts status success: it parsed and ran
-            names = set(re.findall(r"\b(?:moe|process)_[a-z_]+\b", expr))
-            if names <= exported and not result:
-                empty.append((title, q))
+
+        def empty_queries() -> list:
+            empty = []
+            for title, expr in exprs:
+                q = expr.replace("$__rate_interval", "5s")
+                result = _query(base, q)  # asserts status success: it parsed and ran
+                names = set(re.findall(r"\b(?:moe|process)_[a-z_]+\b", expr))
+                if names <= exported and not result:
+                    empty.append((title, q))
+            return empty
+
+        # A worker's per-expert series appear with its first tokens, and a rate needs two
+        # scrapes of them: give them a few scrape intervals past the gateway's.
+        wait_until(lambda: not empty_queries(), timeout=30.0, interval=1.0)
+        empty = empty_queries()
         assert not empty, f"dashboard queries with no series although their metrics are exported: {empty}"
         assert {r["metric"]["job"] for r in _query(base, "moe_build_info")} == {"moe-gateway", "moe-worker"}
     finally:
