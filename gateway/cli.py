@@ -22,6 +22,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from gateway.chunking import chunk_rows_flag
 from transport.service import options
 from transport.service.launch import LISTENING
 
@@ -113,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="longest a request waits for others to share its round, ms (0: dispatch at once)")
     bat.add_argument("--max-inflight-rounds", type=int, default=2, help="rounds out at the workers at once")
     bat.add_argument("--max-batch-requests", type=int, default=256, help="requests per round at most")
+    bat.add_argument("--chunk-rows", type=chunk_rows_flag, default="auto", metavar="auto|off|ROWS",
+                     help="pipelined rounds: a worker's part goes as messages of this many rows, so it computes "
+                          "the first while the next is in flight and replies are combined as they land; auto "
+                          "(default) sizes them from each worker's measured per-message cost and compute rate, "
+                          "and sends one message where chunks would not pay (gateway/chunking.py)")
     bat.add_argument("--no-split", action="store_true", help="never split one expert's tokens over replicas")
     bat.add_argument("--batching", default="fifo", choices=["fifo", "expert-aware"],
                      help="which queued requests a round takes: the oldest first, or those sharing the round's "
@@ -285,7 +291,8 @@ def serve_main(args) -> int:
         pool = WorkerPool(urls, router, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
                           timeout=args.worker_timeout, connect_timeout=args.connect_timeout,
                           split_replicas=not args.no_split, secret=secret, balancing=args.balancing,
-                          ack_timeout=args.update_ack_timeout, fingerprints=fingerprints)
+                          ack_timeout=args.update_ack_timeout, fingerprints=fingerprints,
+                          chunk_rows=args.chunk_rows)
         if local is not None and hasattr(local, "attach"):
             local.attach(pool)
         elif local is not None:
@@ -421,3 +428,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -144,19 +144,26 @@ class DispatchPlan:
         v.flags.writeable = False
         return v
 
-    def gather_into(self, x: np.ndarray, w: int, out: np.ndarray) -> np.ndarray:
+    def gather_into(self, x: np.ndarray, w: int, out: np.ndarray,
+                    rows: tuple[int, int] | None = None) -> np.ndarray:
         """Copy worker w's rows of x (T, d) into `out` (rows, d), e.g. a send
-        slot viewed as an array. This is the one copy dispatch needs."""
+        slot viewed as an array. This is the one copy dispatch needs. `rows`:
+        only rows [lo, hi) of worker w's block (one chunk of it)."""
         if x.ndim != 2 or x.shape[0] != self.num_tokens:
             raise ValueError(f"x must have shape ({self.num_tokens}, d), got {x.shape}")
         n = self.worker_tokens(w)
+        lo, hi = (0, n) if rows is None else rows
+        if not 0 <= lo <= hi <= n:
+            raise ValueError(f"rows {rows} outside worker {w}'s {n} rows")
+        n = hi - lo
         if out.shape != (n, x.shape[1]):
             raise ValueError(f"out must have shape {(n, x.shape[1])} for worker {w}, got {out.shape}")
         if out.dtype != x.dtype:
             raise ValueError(f"out dtype {out.dtype} != x dtype {x.dtype}")
         # Indices were checked at build time; mode="clip" skips np.take's
         # hidden buffering of `out` under the default mode="raise".
-        np.take(x, self._tokens[self._offsets[w]:self._offsets[w + 1]], axis=0, out=out, mode="clip")
+        first = int(self._offsets[w])
+        np.take(x, self._tokens[first + lo:first + hi], axis=0, out=out, mode="clip")
         return out
 
     def gather(self, x: np.ndarray, w: int) -> np.ndarray:
@@ -212,6 +219,38 @@ class DispatchPlan:
                 out[toks] = contrib
             else:
                 out[toks] += contrib
+        return out
+
+    # -- combine as chunks land --------------------------------------------
+
+    def accumulator(self, d: int) -> np.ndarray:
+        """A zeroed float32 (T, d) sum for :meth:`accumulate` (tokens whose every slot was
+        dropped stay 0, as :meth:`combine` makes them)."""
+        return np.zeros((self.num_tokens, d), np.float32)
+
+    def accumulate(self, w: int, lo: int, hi: int, y: np.ndarray, acc: np.ndarray) -> None:
+        """Add the weighted outputs of rows [lo, hi) of worker w's block (``y``, (hi - lo, d),
+        read where it landed) into ``acc``: a worker's rows may come back in several messages,
+        each added as it lands and then given back."""
+        for sw, rows, toks, wts, _ in self._segments:
+            if sw != w:
+                continue
+            a, b = np.searchsorted(rows, (lo, hi))  # a segment's rows are ascending
+            if a == b:
+                continue
+            contrib = np.take(y, rows[a:b] - lo, axis=0)
+            if contrib.dtype != np.float32:
+                contrib = bf16.to_float32(contrib) if bf16.is_bf16(contrib.dtype) else contrib.astype(np.float32)
+            contrib *= wts[a:b]
+            acc[toks[a:b]] += contrib  # token ids are unique within a segment
+
+    @staticmethod
+    def finish(acc: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Write an accumulated sum into ``out`` in its dtype (bf16 rounded to nearest even)."""
+        if bf16.is_bf16(out.dtype):
+            bf16.from_float32(acc, out=out)
+        else:
+            np.copyto(out, acc, casting="same_kind")
         return out
 
     def __repr__(self) -> str:

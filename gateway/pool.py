@@ -16,6 +16,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from gateway.chunking import ChunkSetting
 from gateway.rollout import ACK_TIMEOUT, Rollout
 from gateway.rounds import BatchStats, Request, RoundBook, WorkerError, n_ids, slots_per_token
 from gateway.router import Router
@@ -26,6 +27,7 @@ from workers import protocol as P
 
 log = logging.getLogger("moe.pool")
 
+BACKLOG_RETRY = 0.001  # how soon chunks waiting for a connection are tried again
 WorkerState = WorkerLink  # the name earlier callers (metrics, tests) use
 
 
@@ -40,7 +42,9 @@ class WorkerPool:
     slots: a worker may get up to max_batch_tokens * (top_k + shared pieces) rows). ``timeout``: a worker's part of a
     round fails after it. ``connect_timeout``: how long the first connection to each worker
     is retried. ``secret``: the workers' shared secret (default FIND: as the services find
-    it, $MOE_SECRET_FILE or the per-user default file; None: no secret).
+    it, $MOE_SECRET_FILE or the per-user default file; None: no secret). ``chunk_rows``: how
+    a worker's part of a round is cut into messages ("auto", 0 for one message, or rows per
+    message; gateway/chunking.py).
     """
 
     def __init__(self, urls: Sequence[str], router: Router, *, dtype: Any = np.float32,
@@ -48,7 +52,8 @@ class WorkerPool:
                  nslots: int = 8, split_replicas: bool = True, min_split: int = 16,
                  secret: Any = secrets.FIND, loop: Optional[ServeLoop] = None,
                  balancing: str = "load-aware", ack_timeout: float = ACK_TIMEOUT,
-                 fingerprints: Optional[Mapping[int, Optional[str]]] = None) -> None:
+                 fingerprints: Optional[Mapping[int, Optional[str]]] = None,
+                 chunk_rows: ChunkSetting = "auto") -> None:
         secret = secrets.for_client(secret)
         self.routers = dict(router) if isinstance(router, Mapping) else {P.DEFAULT_LAYER: router}
         if not self.routers:
@@ -77,7 +82,7 @@ class WorkerPool:
         self.rounds = RoundBook(self.workers, self.routers, dtype=self.dtype, max_batch_tokens=self.max_batch_tokens,
                                 timeout=timeout, split_replicas=split_replicas, min_split=min_split,
                                 decide_pins=self.rollout.decide, next_id=next_id, balancing=balancing,
-                                pinned_router=self.rollout.router_for)
+                                pinned_router=self.rollout.router_for, chunk_rows=chunk_rows)
         self.workers.on_message = self._on_message
         self.workers.on_up.append(self._up)
         self.workers.on_down.append(self._down)
@@ -115,10 +120,13 @@ class WorkerPool:
 
     def _tick(self, now: float) -> Optional[float]:
         self.rounds.expire(now)
+        backlog = self.rounds.pump()  # chunks a connection could not take yet
         t = self.workers.tick(now)
         r = self.rollout.tick(now)
         d = self.rounds.next_deadline()
         due = [x for x in (t, r, d) if x is not None]
+        if backlog:  # shm returns credits without a wake-up: look again soon
+            due.append(now + BACKLOG_RETRY)
         if self.rounds.has_stalling(now):  # a stalled round stops holding the batcher: look again soon
             due.append(now + 0.05)
         if self.on_round is not None:

@@ -15,6 +15,16 @@ the other workers if every expert it needs there has another healthy host (a for
 idempotent), and otherwise fails at once with ``unavailable``. A late reply of a failed part
 is discarded. So a hung worker delays only the requests that need it.
 
+Chunks: a worker's part may go as several messages of consecutive rows (gateway/chunking.py
+chooses the size), so the worker computes the first while the next is gathered and in
+flight. In such a round every reply is added into its requests' sums as it lands and given
+back at once (a round holding its replies until the last one would hold the worker's
+credits, and with more chunks than credits never get the last one); a request is finished
+when the chunks holding its rows are in, so the requests whose rows came back first are
+answered while the workers compute the rest. A chunk the connection cannot take yet waits
+in a per-worker backlog, sent as credits come back; failure stays per part (any chunk
+failing fails the worker's part).
+
 Layers: a gateway serving a checkpoint has one router per MoE layer, and each request names
 its layer. A round carries requests of one layer (the worker message names one), so a batch
 of requests of several layers goes out as one round per layer, all sent before any wait.
@@ -23,11 +33,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from gateway.chunking import ChunkSetting, choose_chunk_rows, chunk_groups, parse_chunk_rows
 from gateway.dispatch import DispatchPlan, split_over_replicas
 from gateway.replicas import BALANCING, choose_least_loaded, choose_replicas
 from gateway.router import Routing
@@ -78,6 +90,9 @@ class BatchStats:
     wait_s: float = 0.0
     combine_s: float = 0.0
     total_s: float = 0.0
+    messages: int = 0  # messages sent (more than ``workers`` when parts went in chunks)
+    busiest_s: float = 0.0  # the busiest worker's time handling this round's messages (its
+    # own receive-to-reply clocks), so total_s - busiest_s is its time with no token to compute
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -87,7 +102,7 @@ class Request:
     """One token batch inside the gateway, across its attempts."""
 
     __slots__ = ("x", "tag", "layer", "routing", "plan", "pins", "error", "attempts", "round", "bases", "waiting",
-                 "finished", "arrived")
+                 "finished", "arrived", "acc")
 
     def __init__(self, x: np.ndarray, tag: Any = None, layer: int = P.DEFAULT_LAYER):
         self.x: Optional[np.ndarray] = x
@@ -103,6 +118,7 @@ class Request:
         self.waiting: set = set()  # workers whose reply this request still needs
         self.finished = False
         self.arrived = time.perf_counter()
+        self.acc: Optional[np.ndarray] = None  # float32 sum of a chunked round's replies so far
 
     @property
     def num_tokens(self) -> int:
@@ -119,6 +135,10 @@ class Request:
             raise self.error
         rnd = self.round
         t = time.perf_counter()
+        if self.acc is not None:  # a chunked round: summed as the chunks landed
+            self.plan.finish(self.acc, out)
+            rnd.stats.combine_s += time.perf_counter() - t
+            return out
         outputs = []
         for w in range(self.plan.n_workers):
             n = self.plan.worker_tokens(w)
@@ -126,7 +146,7 @@ class Request:
                 outputs.append(None)
             else:
                 base = self.bases[w]
-                outputs.append(rnd.replies[w][1][base:base + n])
+                outputs.append(rnd.replies[w][0][1][base:base + n])
         self.plan.combine(outputs, out)
         rnd.stats.combine_s += time.perf_counter() - t
         return out
@@ -136,7 +156,7 @@ class Request:
         rnd, self.round = self.round, None
         if rnd is not None:
             rnd.detach(self)
-        self.x = None
+        self.x = self.acc = None
 
 
 class Round:
@@ -145,9 +165,19 @@ class Round:
         self.layer = layer
         self.requests = requests
         self.deadline = deadline
-        self.rows: dict = {}  # worker -> rows sent
-        self.replies: dict = {}  # worker -> (Message, (rows, d) view)
-        self.outstanding: set = set()  # workers whose reply has not come (nor failed)
+        self.rows: dict = {}  # worker -> rows of its part
+        self.chunk: dict = {}  # worker -> rows per message of its part (= rows: one message)
+        self.groups: dict = {}  # worker -> its part's groups (expert, start, count[, version])
+        self.replies: dict = {}  # worker -> per chunk: (Message, (rows, d) view), or None
+        self.nchunks: dict = {}  # worker -> messages its part goes in
+        self.left: dict = {}  # worker -> chunks not answered yet
+        self.left_rows: dict = {}  # worker -> rows not answered yet (they count as its load)
+        self.sent: dict = {}  # worker -> chunks sent
+        self.answered: set = set()  # (worker, chunk) answered
+        self.busy: dict = {}  # worker -> its seconds handling our messages (receive to reply)
+        self.compute: dict = {}  # worker -> its compute seconds
+        self.msg_ids: list = []  # (worker, message id) of its chunks (the book maps them back)
+        self.outstanding: set = set()  # workers whose part has not been answered (nor failed)
         self.users: dict = {}  # worker -> requests of this round still using its reply
         self.stats = BatchStats(requests=len(requests))
         self._t0 = time.perf_counter()
@@ -159,7 +189,25 @@ class Round:
             n = self.users.get(w, 0) - 1
             self.users[w] = n
             if n <= 0 and w in self.replies:
-                self.replies.pop(w)[0].release()
+                self.release_replies(w)
+
+    def release_replies(self, w: int) -> None:
+        for got in self.replies.pop(w, ()):
+            if got is not None:
+                got[0].release()
+
+    @property
+    def chunked(self) -> bool:
+        return any(self.chunk[w] < n for w, n in self.rows.items())
+
+    def chunks_of(self, req: Request, w: int) -> range:
+        """The chunks of worker ``w``'s part that hold ``req``'s rows."""
+        base, size = req.bases[w], self.chunk[w]
+        return range(base // size, (base + req.plan.worker_tokens(w) - 1) // size + 1)
+
+    def chunk_bounds(self, w: int, c: int) -> tuple[int, int]:
+        size = self.chunk[w]
+        return c * size, min((c + 1) * size, self.rows[w])
 
     @property
     def settled(self) -> bool:
@@ -182,13 +230,16 @@ class RoundBook:
 
     ``router``: one router (layer 0), or {layer: router}. ``decide_pins(layer)``: the weights
     versions a new request of that layer is served by (hot update); ``pinned_router(layer,
-    pins)``: the router those pins route with, None for the layer's own."""
+    pins)``: the router those pins route with, None for the layer's own. ``chunk_rows``:
+    "auto" (sized from what each worker's replies measured), 0 (a part is one message) or
+    rows per message."""
 
     def __init__(self, workers: WorkerSet, router, *, dtype: np.dtype, max_batch_tokens: int, timeout: float,
                  split_replicas: bool = True, min_split: int = 16,
                  decide_pins: Optional[Callable[[int], dict]] = None,
                  next_id: Optional[Callable[[], int]] = None, balancing: str = "load-aware",
-                 pinned_router: Optional[Callable[[int, dict], Any]] = None) -> None:
+                 pinned_router: Optional[Callable[[int, dict], Any]] = None,
+                 chunk_rows: ChunkSetting = "auto") -> None:
         if balancing not in BALANCING:
             raise ValueError(f"balancing must be one of {BALANCING}, got {balancing!r}")
         self.balancing = balancing
@@ -214,6 +265,9 @@ class RoundBook:
         self._settled: list[Round] = []  # rounds whose every part is done (for metrics)
         self._avoid: frozenset = frozenset()  # workers a retry round must not use
         self.retried = 0
+        self.chunk_rows = parse_chunk_rows(chunk_rows)
+        self._msgs: dict[tuple, tuple] = {}  # (worker, message id) -> (round, chunk)
+        self._backlog: dict[int, deque] = {}  # worker -> (round, chunk) its connection could not take yet
 
     # -- dispatch ------------------------------------------------------------------------------
     def dispatch(self, requests: Sequence[Request], avoid: frozenset = frozenset()) -> Optional[Round]:
@@ -359,55 +413,107 @@ class RoundBook:
                 n = r.plan.worker_tokens(w)
                 if n:
                     r.bases[w] = base
-                    r.waiting.add(w)
                     base += n
             if base:
                 rnd.rows[w] = base
-                rnd.users[w] = sum(1 for r in reqs if w in r.bases)
+                rnd.chunk[w] = choose_chunk_rows(base, self.chunk_rows, self.workers[w].chunk_costs)
+                users = [r for r in reqs if w in r.bases]
+                rnd.users[w] = len(users)
+                for r in users:
+                    r.waiting.update((w, c) for c in rnd.chunks_of(r, w))
+        chunked = rnd.chunked
         for r in reqs:
+            r.acc = r.plan.accumulator(self.d_model) if chunked and r.waiting else None
             if not r.waiting:  # every token dropped by capacity: nothing to wait for
                 self._finish(r)
 
     def _send(self, rnd: Round) -> None:
         for w_index, rows in list(rnd.rows.items()):
             w = self.workers[w_index]
+            size = rnd.chunk[w_index]
+            n = -(-rows // size)
             rnd.outstanding.add(w_index)
-            why = self._send_part(rnd, w, rows)
-            if why is not None:
-                self._part_failed(rnd, w_index, why)
+            rnd.nchunks[w_index] = rnd.left[w_index] = n
+            rnd.left_rows[w_index], rnd.sent[w_index] = rows, 0
+            rnd.replies[w_index] = [None] * n
+            rnd.groups[w_index] = self._part_groups(rnd, w_index)
+            w.outstanding_rows += rows
+            for c in range(n):
+                queue = self._backlog.get(w_index)
+                if queue:  # behind what waits already: messages to a worker keep their order
+                    queue.append((rnd, c))
+                    continue
+                why = self._send_chunk(rnd, w, c)
+                if why is _LATER:
+                    self._backlog.setdefault(w_index, deque()).append((rnd, c))
+                elif why is not None:
+                    self._part_failed(rnd, w_index, why)
+                    break
         rnd.stats.rows = sum(rnd.rows.values())
         rnd.stats.workers = len(rnd.rows)
 
-    def _send_part(self, rnd: Round, w: WorkerLink, rows: int) -> Optional[str]:
-        """Gather and send worker ``w``'s block; why it could not, or None."""
+    @staticmethod
+    def _part_groups(rnd: Round, w_index: int) -> list:
+        groups = []
+        for r in rnd.requests:
+            base = r.bases.get(w_index)
+            if base is None:
+                continue
+            pins = r.pins
+            groups.extend((e, base + s, c, pins[e]) if e in pins else (e, base + s, c)
+                          for e, s, c in r.plan.groups(w_index))
+        return groups
+
+    def _may_wait(self, w_index: int) -> bool:
+        """Whether a chunk that ``w_index``'s connection cannot take now may wait: only while
+        messages of ours are unanswered there (their replies bring the credits back); a
+        connection that is not ready with nothing of ours in flight is a failing worker."""
+        return any(w_index in r.outstanding and r.sent[w_index] > r.nchunks[w_index] - r.left[w_index]
+                   for r in self.rounds.values())
+
+    def _send_chunk(self, rnd: Round, w: WorkerLink, c: int):
+        """Gather and send chunk ``c`` of worker ``w``'s part: None when sent, _LATER when its
+        connection cannot take it yet but may (see _may_wait), else why it failed."""
         conn = w.conn
         if conn is None or not w.usable:
             return f"worker {w.describe()} is not usable"
         if not conn.send_ready():
+            if self._may_wait(w.index):
+                return _LATER
             self.workers.mark_unhealthy(w, "its connection takes no more messages (it holds every credit)")
             return f"worker {w.url} takes no more messages"
+        lo, hi = rnd.chunk_bounds(w.index, c)
+        rows = hi - lo
         try:
             slot = conn.alloc(rows * self.row_bytes, timeout=0)
         except TransportError as e:
+            if self._may_wait(w.index):
+                return _LATER
             self.workers.mark_unhealthy(w, f"no send slot: {e}")
             return f"worker {w.url}: no send slot ({e})"
+        t0 = time.perf_counter()
         block = slot.array(self.dtype, (rows, self.d_model))
-        t = time.perf_counter()
-        groups = []
         for r in rnd.requests:
             base = r.bases.get(w.index)
             if base is None:
                 continue
-            n = r.plan.worker_tokens(w.index)
-            r.plan.gather_into(r.x, w.index, block[base:base + n])
-            pins = r.pins
-            groups.extend((e, base + s, c, pins[e]) if e in pins else (e, base + s, c)
-                          for e, s, c in r.plan.groups(w.index))
-        rnd.stats.gather_s += time.perf_counter() - t
-        header = P.forward_request(rnd.id, (rows, self.d_model), self.dtype, groups, layer=rnd.layer)
-        if not self.workers.send(w, header, [slot]):
+            a, b = max(base, lo), min(base + r.plan.worker_tokens(w.index), hi)
+            if a < b:
+                r.plan.gather_into(r.x, w.index, block[a - lo:b - lo], rows=(a - base, b - base))
+        t1 = time.perf_counter()
+        whole = rows == rnd.rows[w.index]
+        groups = rnd.groups[w.index] if whole else chunk_groups(rnd.groups[w.index], lo, hi)
+        mid = rnd.id if c == 0 else self._ids()
+        header = P.forward_request(mid, (rows, self.d_model), self.dtype, groups, layer=rnd.layer)
+        if not self.workers.send(w, header, [slot], ready=True):
             return f"worker {w.describe()} did not take round {rnd.id}"
-        w.outstanding_rows += rows
+        self._msgs[(w.index, mid)] = (rnd, c)
+        rnd.msg_ids.append((w.index, mid))
+        rnd.sent[w.index] += 1
+        st = rnd.stats
+        st.messages += 1
+        st.gather_s += t1 - t0
+        w.chunk_costs.record_send(time.perf_counter() - t1)
         w.rows_sent += rows
         w.batches_sent += 1
         for g in groups:
@@ -415,23 +521,48 @@ class RoundBook:
             w.expert_rows[key] = w.expert_rows.get(key, 0) + g[2]
         return None
 
+    def pump(self) -> bool:
+        """Send what waits in the backlogs as connections take it; whether any still waits
+        (the owner then calls again soon: shm credits come back without a wake-up)."""
+        waiting = False
+        for w_index, queue in list(self._backlog.items()):
+            w = self.workers[w_index]
+            while queue:
+                rnd, c = queue[0]
+                if rnd.id not in self.rounds or w_index not in rnd.outstanding:
+                    queue.popleft()  # its part failed meanwhile
+                    continue
+                why = self._send_chunk(rnd, w, c)
+                if why is _LATER:
+                    break
+                queue.popleft()
+                if why is not None:
+                    self._part_failed(rnd, w_index, why)
+            if queue:
+                waiting = True
+            else:
+                self._backlog.pop(w_index, None)
+        return waiting
+
     # -- replies and failures ------------------------------------------------------------------
     def on_reply(self, w: WorkerLink, msg) -> None:
         """A result or error from worker ``w`` (for one of our rounds, or a late one)."""
         h = msg.header
         rid = P.request_id_of(h)
-        rnd = self.rounds.get(rid)
-        if rnd is None or w.index not in rnd.outstanding:
-            msg.release()  # a late reply to a part that already failed
+        sent = self._msgs.get((w.index, rid))
+        if sent is None or w.index not in sent[0].outstanding or (w.index, sent[1]) in sent[0].answered:
+            msg.release()  # a late reply to a part that already failed (or not ours, or twice)
             return
-        rnd.outstanding.discard(w.index)
-        rows = rnd.rows[w.index]
-        w.outstanding_rows -= rows
+        rnd, c = sent
+        rnd.answered.add((w.index, c))
+        lo, hi = rnd.chunk_bounds(w.index, c)
+        rows = hi - lo
+        self._answered(rnd, w, rows)
         if h.get("op") == P.ERROR:
             msg.release()
             err = P.RemoteError(str(h.get("code")), str(h.get("message")), w.url)
             w.failures += 1
-            self._part_failed(rnd, w.index, f"worker {w.url} failed round {rid}: {err}")
+            self._part_failed(rnd, w.index, f"worker {w.url} failed round {rnd.id}: {err}")
             return
         if h.get("shape") != [rows, self.d_model] or h.get("dtype") != P.dtype_name(self.dtype) \
                 or len(msg.buffers) != 1 or msg.buffers[0].nbytes != rows * self.row_bytes:
@@ -443,26 +574,57 @@ class RoundBook:
         w.compute_seconds += cs
         w.record_compute(cs, rows)
         w.cpu_s = float(h.get("cpu_s", w.cpu_s))
+        busy = _duration(h, cs)
+        w.chunk_costs.record_compute(rows, cs)
+        w.chunk_costs.record_serve(busy - cs)
         st = rnd.stats
-        st.compute_s = max(st.compute_s, cs)
+        rnd.compute[w.index] = rnd.compute.get(w.index, 0.0) + cs
+        rnd.busy[w.index] = rnd.busy.get(w.index, 0.0) + busy
+        st.compute_s = max(st.compute_s, rnd.compute[w.index])
+        st.busiest_s = max(st.busiest_s, rnd.busy[w.index])
         st.compute_total_s += cs
-        if rnd.users.get(w.index, 0) <= 0:
+        key = (w.index, c)
+        users = [r for r in rnd.requests if key in r.waiting and r.round is rnd]
+        if not users or w.index not in rnd.replies:
             msg.release()  # every request that needed it has gone (retried or failed)
+        elif rnd.chunked:  # added where it landed, then given back: the worker's credit returns
+            t = time.perf_counter()
+            y = msg.array(0, self.dtype, (rows, self.d_model))
+            for r in users:
+                base = r.bases[w.index]
+                a, b = max(lo, base), min(hi, base + r.plan.worker_tokens(w.index))
+                r.plan.accumulate(w.index, a - base, b - base, y[a - lo:b - lo], r.acc)
+            msg.release()
+            st.combine_s += time.perf_counter() - t
         else:
-            rnd.replies[w.index] = (msg, msg.array(0, self.dtype, (rows, self.d_model)))
-            for r in rnd.requests:
-                if w.index in r.waiting and r.round is rnd:
-                    r.waiting.discard(w.index)
-                    if not r.waiting:
-                        self._finish(r)
+            rnd.replies[w.index][c] = (msg, msg.array(0, self.dtype, (rows, self.d_model)))
+        for r in users:
+            r.waiting.discard(key)
+            if not r.waiting:
+                self._finish(r)
+        if not rnd.left[w.index]:
+            rnd.outstanding.discard(w.index)
         self._check_settled(rnd)
+        if self._backlog.get(w.index):
+            self.pump()  # its reply returned a credit
+
+    @staticmethod
+    def _answered(rnd: Round, w: WorkerLink, rows: int) -> None:
+        rnd.left[w.index] -= 1
+        rnd.left_rows[w.index] -= rows
+        w.outstanding_rows -= rows
+
+    def _drop_part(self, rnd: Round, w: WorkerLink) -> None:
+        """Worker ``w``'s part of ``rnd`` will not be answered: its rows stop counting as load."""
+        rnd.outstanding.discard(w.index)
+        w.outstanding_rows -= rnd.left_rows[w.index]
+        rnd.left_rows[w.index] = 0
 
     def on_worker_down(self, w: WorkerLink, why: str) -> None:
         """Worker ``w``'s connection went: every part it had fails now."""
+        self._backlog.pop(w.index, None)
         for rnd in list(self.rounds.values()):
             if w.index in rnd.outstanding:
-                rnd.outstanding.discard(w.index)
-                w.outstanding_rows -= rnd.rows[w.index]
                 self._part_failed(rnd, w.index, f"worker {w.url} lost: {why}")
 
     def expire(self, now: float) -> None:
@@ -472,18 +634,17 @@ class RoundBook:
                 continue
             for wi in list(rnd.outstanding):
                 w = self.workers[wi]
-                rnd.outstanding.discard(wi)
-                w.outstanding_rows -= rnd.rows[wi]
                 self.workers.mark_unhealthy(w, f"no reply to round {rnd.id} within {self.timeout:.1f} s")
                 self._part_failed(rnd, wi, f"round {rnd.id}: no reply from {w.url} within {self.timeout:.1f} s")
 
     def _part_failed(self, rnd: Round, w_index: int, why: str) -> None:
         """Worker ``w_index`` will not answer its part of ``rnd``: retry or fail the
         requests that needed it (the others are untouched)."""
-        rnd.outstanding.discard(w_index)
+        if w_index in rnd.outstanding:
+            self._drop_part(rnd, self.workers[w_index])
         retry = []
         for r in rnd.requests:
-            if r.round is not rnd or w_index not in r.waiting:
+            if r.round is not rnd or not _needs(r, w_index):
                 continue
             r.round = None
             rnd.detach(r)
@@ -511,6 +672,8 @@ class RoundBook:
             rnd.stats.wait_s = now - rnd.sent_at
             rnd.stats.total_s = now - rnd._t0
             del self.rounds[rnd.id]
+            for key in rnd.msg_ids:  # a late reply to one of them is now unknown: released
+                self._msgs.pop(key, None)
             self._settled.append(rnd)
 
     # -- what the owner takes --------------------------------------------------------------------
@@ -554,22 +717,40 @@ class RoundBook:
         return any(r.outstanding and now - r.started >= STALLED_AFTER for r in self.rounds.values())
 
     def close(self) -> None:
+        self._backlog.clear()
         for rnd in list(self.rounds.values()):
             for wi in list(rnd.outstanding):
                 self._part_failed_final(rnd, wi)
         for rnd in self.rounds.values():
-            for msg, _ in rnd.replies.values():
-                msg.release()
-            rnd.replies = {}
+            for wi in list(rnd.replies):
+                rnd.release_replies(wi)
         self.rounds = {}
+        self._msgs = {}
 
     def _part_failed_final(self, rnd: Round, wi: int) -> None:
-        rnd.outstanding.discard(wi)
+        self._drop_part(rnd, self.workers[wi])
         for r in rnd.requests:
-            if r.round is rnd and wi in r.waiting:
+            if r.round is rnd and _needs(r, wi):
                 r.round = None
                 rnd.detach(r)
                 self._fail(r, WorkerError("the gateway is closing"))
+
+
+_LATER = object()  # _send_chunk: the connection cannot take it yet, but will
+
+
+def _needs(req: Request, w_index: int) -> bool:
+    """Whether ``req`` still waits for a chunk of worker ``w_index``."""
+    return any(k[0] == w_index for k in req.waiting)
+
+
+def _duration(h: dict, compute_s: float) -> float:
+    """The worker's time handling a message, from the receive and reply clocks its reply
+    carries (its compute alone from a worker that sends none)."""
+    t_in, t_out = h.get("t_in"), h.get("t_out")
+    if isinstance(t_in, float) and isinstance(t_out, float) and 0.0 <= t_out - t_in < 3600.0:
+        return t_out - t_in
+    return compute_s
 
 
 def _counter():

@@ -258,6 +258,7 @@ class GatewayServer:
                            "max_wait_ms": self.batcher.max_wait * 1000,
                            "max_inflight_rounds": self.batcher.max_inflight_rounds,
                            "batching": self.batcher.policy, "balancing": pool.rounds.balancing,
+                           "chunk_rows": pool.rounds.chunk_rows,
                            "replicas": pool.replication(),
                            "n_experts": pool.n_experts, "top_k": pool.router.top_k,
                            "d_model": pool.d_model, "dtype": P.dtype_name(pool.dtype),

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 import transport
+from gateway.chunking import ChunkCosts
 from transport import ConnectionClosed, Timeout, TransportError
 from workers import protocol as P
 
@@ -138,6 +139,7 @@ class WorkerLink:
     seconds_per_row: Optional[float] = None  # its compute per row (cost_seconds / cost_rows)
     cost_seconds: float = 0.0  # decayed sums of the compute its replies reported ...
     cost_rows: float = 0.0  # ... and of their rows
+    chunk_costs: ChunkCosts = field(default_factory=ChunkCosts)  # what sizes its chunks (gateway/chunking.py)
     pid: Optional[int] = None
     last_heard: float = 0.0
     ping_sent: Optional[float] = None
@@ -191,6 +193,7 @@ class WorkerLink:
                 "batches_sent": self.batches_sent, "failures": self.failures, "reconnects": self.reconnects,
                 "compute_seconds": self.compute_seconds, "cpu_s": self.cpu_s, "pid": self.pid,
                 "seconds_per_row": self.seconds_per_row,
+                "message_s": self.chunk_costs.msg_s,
                 "layers": [[L, sorted(ids)] for L, ids in sorted(self.layers.items())], "kernel": dict(self.kernel),
                 "versions": [P.with_layer([e, v, sorted(self.held.get((L, e), {v}))], L)
                              for (L, e), v in sorted(self.versions.items())],
@@ -402,14 +405,16 @@ class WorkerSet:
         except TransportError:
             pass
 
-    def send(self, w: WorkerLink, header: dict, buffers=()) -> bool:
-        """Send without waiting (a worker that cannot take it now is a failure of that send)."""
+    def send(self, w: WorkerLink, header: dict, buffers=(), *, ready: bool = False) -> bool:
+        """Send without waiting (a worker that cannot take it now is a failure of that send).
+        ``ready``: the caller saw ``send_ready()`` before taking the slot it sends (asked
+        again, shm would count that slot as taken and say no)."""
         if w.conn is None:
             for b in buffers:
                 if hasattr(b, "pool"):
                     b.release()
             return False
-        if not w.conn.send_ready():
+        if not ready and not w.conn.send_ready():
             for b in buffers:
                 if hasattr(b, "pool"):
                     b.release()

@@ -88,12 +88,12 @@ class Backend:
     def urls(self) -> list:
         return [w.url for w in self.workers]
 
-    def gateway(self, name: str):
-        if name not in self.gateways:
-            self.gateways[name] = self.services.gateway(
+    def gateway(self, name: str, chunk_rows: str = "auto"):
+        if (name, chunk_rows) not in self.gateways:
+            self.gateways[(name, chunk_rows)] = self.services.gateway(
                 self.backend, workers=self.urls, d_model=D, d_ff=F, n_experts=E, seed=SEED,
-                max_batch_tokens=MAX_BATCH, max_wait_ms=20, **gateway_flags(CONFIGS[name]))
-        return self.gateways[name]
+                max_batch_tokens=MAX_BATCH, max_wait_ms=20, chunk_rows=chunk_rows, **gateway_flags(CONFIGS[name]))
+        return self.gateways[(name, chunk_rows)]
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -112,11 +112,18 @@ def _backend(b) -> Backend:
     return b
 
 
+# "auto" is the default, and with these tiny experts it sends each part whole (a chunk would
+# cost more than its compute); 7 rows cuts every part into chunks (expert groups and
+# requests split across them), so outputs are checked with pipelined rounds too
+CHUNKS = ["auto", "7"]
+
+
+@pytest.mark.parametrize("chunk_rows", CHUNKS, ids=["whole", "chunks-7"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_gateway_equals_reference(backend, name):
+def test_gateway_equals_reference(backend, name, chunk_rows):
     b = _backend(backend)
     ref = reference_for(CONFIGS[name])
-    gw = b.gateway(name)
+    gw = b.gateway(name, chunk_rows)
     with GatewayClient(gw.url, timeout=20.0) as client:
         for n, seed in ((1, 1), (17, 2), (MAX_BATCH, 3)):
             x = tokens(n, seed)
@@ -126,13 +133,15 @@ def test_gateway_equals_reference(backend, name):
             assert routing.overflow > 0  # the case really exercises overflow
 
 
+@pytest.mark.parametrize("chunk_rows", CHUNKS, ids=["whole", "chunks-7"])
 @pytest.mark.parametrize("name", ["top2", "top2-zipf-replicated-hot", "top2-capacity-spill"])
-def test_requests_batched_together_each_equal_the_reference(backend, name):
+def test_requests_batched_together_each_equal_the_reference(backend, name, chunk_rows):
     """Several clients in one round: each output is its own request's layer output
-    (routing, and capacity, are per request)."""
+    (routing, and capacity, are per request); in chunks, a request may finish before the
+    round's last chunk is in."""
     b = _backend(backend)
     ref = reference_for(CONFIGS[name])
-    gw = b.gateway(name)
+    gw = b.gateway(name, chunk_rows)
     xs = [tokens(8 + 7 * i, 100 + i) for i in range(4)]
     ys, errors = [None] * len(xs), []
     clients = [GatewayClient(gw.url, timeout=20.0) for _ in xs]
@@ -180,8 +189,9 @@ def test_a_hot_replicated_expert_is_split_over_its_replicas(backend):
 NOISY = dict(top_k=2, noisy=True, noise_std=0.5)
 
 
+@pytest.mark.parametrize("chunk_rows", [0, 5], ids=["one-message", "chunks-5"])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
-def test_pool_in_process_equals_reference(backend, split):
+def test_pool_in_process_equals_reference(backend, split, chunk_rows):
     """WorkerPool driven directly (no gateway process): the same numbers, including noisy
     top-k (both routers draw the same noise stream from the same seed)."""
     b = _backend(backend)
@@ -191,7 +201,7 @@ def test_pool_in_process_equals_reference(backend, split):
         ref = ReferenceMoE(Router(D, E, k, seed=SEED, **kw),
                            [SwiGLUExpert.from_seed(e, D, F, seed=SEED) for e in range(E)])
         with WorkerPool(b.urls, Router(D, E, k, seed=SEED, **kw), max_batch_tokens=MAX_BATCH,
-                        split_replicas=split) as pool:
+                        split_replicas=split, chunk_rows=chunk_rows) as pool:
             for n, seed in ((5, 11), (MAX_BATCH, 12)):
                 x = tokens(n, seed)
                 out = np.full((n, D), np.nan, np.float32)
@@ -202,3 +212,10 @@ def test_pool_in_process_equals_reference(backend, split):
                 if not config.get("noisy"):  # (routing again would advance the noise stream)
                     assert stats.rows == int((ref.router.route(x).topk_idx >= 0).sum())
                 assert min(stats.route_s, stats.dispatch_s, stats.wait_s, stats.combine_s) >= 0
+                if chunk_rows:  # every part went in messages of at most 5 rows
+                    assert stats.messages >= max(stats.workers, -(-stats.rows // chunk_rows))
+                    assert n < MAX_BATCH or stats.messages > 2 * stats.workers
+                else:
+                    assert stats.messages == stats.workers
+                # the workers' own clocks: each message's receive-to-reply time
+                assert 0 < stats.busiest_s <= stats.total_s

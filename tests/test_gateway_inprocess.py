@@ -30,12 +30,14 @@ class Stack:
     """Fake workers, a pool and a server on its own loop thread; a client per test. Every
     end shares ``secret`` (default: the test session's), as a deployment would."""
 
-    def __init__(self, layout, *, worker_timeout=5.0, max_wait_ms=0.0, secret=b"", **server_kw):
+    def __init__(self, layout, *, worker_timeout=5.0, max_wait_ms=0.0, secret=b"", chunk_rows="auto", nslots=8,
+                 **server_kw):
         secret = secret_of_session() if secret == b"" else secret
         self.workers = [FakeWorker(ex, d_model=D, secret=secret) for ex in layout]
         self.router = Router(D, E, K, seed=3)
         self.pool = WorkerPool([w.url for w in self.workers], self.router, max_batch_tokens=256,
-                               timeout=worker_timeout, connect_timeout=5, secret=secret)
+                               timeout=worker_timeout, connect_timeout=5, secret=secret, chunk_rows=chunk_rows,
+                               nslots=nslots)
         self.server = GatewayServer(self.pool, "tcp://127.0.0.1:0", max_wait_ms=max_wait_ms, secret=secret,
                                     **server_kw)
         self.thread = threading.Thread(target=self.server.serve, daemon=True)
@@ -56,13 +58,37 @@ def _stack(layout, **kw):
     return Stack(layout, **kw)
 
 
-def test_forward_equals_the_fake_reference():
-    s = _stack([[0, 1], [2, 3]])
+# the fake workers report no compute, so "auto" sends each part whole; 3 rows cuts every
+# part into chunks (groups and requests split across them)
+CHUNKS = pytest.mark.parametrize("chunk_rows", ["auto", 3], ids=["whole", "chunks-3"])
+
+
+@CHUNKS
+def test_forward_equals_the_fake_reference(chunk_rows):
+    s = _stack([[0, 1], [2, 3]], chunk_rows=chunk_rows)
     try:
         with GatewayClient(s.server.url, timeout=5) as c:
             for seed in range(3):
                 x = tokens(17, seed)
                 np.testing.assert_allclose(c.forward(x), s.expected(x), rtol=1e-5, atol=1e-6)
+    finally:
+        s.close()
+
+
+def test_more_chunks_than_credits_all_arrive():
+    """One-row chunks over connections of two slots each way: chunks wait in the backlog
+    for credits, and replies are combined and given back as they land (a round holding
+    them all would hold every credit the worker has for its replies, and never finish)."""
+    s = _stack([[0, 1], [2, 3]], chunk_rows=1, nslots=2)
+    try:
+        with GatewayClient(s.server.url, timeout=5) as c:
+            ids = [c.submit(tokens(20 + seed, seed)) for seed in range(3)]
+            for seed, i in enumerate(ids):
+                x = tokens(20 + seed, seed)
+                np.testing.assert_allclose(c.result(i), s.expected(x), rtol=1e-5, atol=1e-6)
+        st = s.pool.stats()
+        assert all(w["healthy"] for w in st)  # waiting for credits is not a failure
+        assert sum(w["batches_sent"] for w in st) >= 2 * sum(20 + seed for seed in range(3))  # a message a row
     finally:
         s.close()
 
@@ -83,10 +109,11 @@ def test_requests_arriving_while_a_round_is_out_share_the_next_round():
         s.close()
 
 
-def test_a_hung_worker_delays_only_the_requests_that_need_it():
+@CHUNKS
+def test_a_hung_worker_delays_only_the_requests_that_need_it(chunk_rows):
     """Worker 1 (experts 2, 3) hangs: requests routed only to experts 0, 1 are answered at
     once; the others fail with `unavailable` when their part times out, then at once."""
-    s = _stack([[0, 1], [2, 3]], worker_timeout=0.4)
+    s = _stack([[0, 1], [2, 3]], worker_timeout=0.4, chunk_rows=chunk_rows)
     try:
         router = s.router
         pick = lambda want: next(x for x in (tokens(1, seed) for seed in range(2000))  # noqa: E731
@@ -118,8 +145,9 @@ def test_a_hung_worker_delays_only_the_requests_that_need_it():
         s.close()
 
 
-def test_a_dead_worker_with_replicas_costs_no_request():
-    s = _stack([[0, 1, 2, 3], [0, 1, 2, 3]])
+@CHUNKS
+def test_a_dead_worker_with_replicas_costs_no_request(chunk_rows):
+    s = _stack([[0, 1, 2, 3], [0, 1, 2, 3]], chunk_rows=chunk_rows)
     try:
         with GatewayClient(s.server.url, timeout=5) as c:
             ids = [c.submit(tokens(16, seed)) for seed in range(4)]
@@ -132,8 +160,9 @@ def test_a_dead_worker_with_replicas_costs_no_request():
         s.close()
 
 
-def test_a_worker_that_fails_its_part_is_retried_on_a_replica_once():
-    s = _stack([[0, 1, 2, 3], [0, 1, 2, 3]])
+@CHUNKS
+def test_a_worker_that_fails_its_part_is_retried_on_a_replica_once(chunk_rows):
+    s = _stack([[0, 1, 2, 3], [0, 1, 2, 3]], chunk_rows=chunk_rows)
     try:
         s.workers[0].fail = True
         with GatewayClient(s.server.url, timeout=5) as c:
@@ -150,8 +179,9 @@ def test_a_worker_that_fails_its_part_is_retried_on_a_replica_once():
         s.close()
 
 
-def test_hot_update_pins_whole_requests_and_ends():
-    s = _stack([[0, 1], [2, 3]])
+@CHUNKS
+def test_hot_update_pins_whole_requests_and_ends(chunk_rows):
+    s = _stack([[0, 1], [2, 3]], chunk_rows=chunk_rows)
     try:
         with GatewayClient(s.server.url, timeout=5) as c:
             st = c.update("start", experts=[1], version=2, seed=5)

@@ -302,7 +302,8 @@ class WorkerDaemon:
                 compute_s = time.perf_counter() - t0
                 msg.release()  # inputs consumed: give the sender its slot back before we reply
                 reply = P.result_reply(batch.request_id, shape, self.dtype, compute_s=compute_s,
-                                       experts=per_expert, cpu_s=time.process_time())
+                                       experts=per_expert, cpu_s=time.process_time(),
+                                       t_in=t_in, t_out=time.perf_counter())
                 pinned = sorted({(e, v) for e, _, n, v in batch.groups if v is not None and n})
                 if pinned:
                     reply["versions"] = [[e, v] for e, v in pinned]

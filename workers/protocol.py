@@ -15,7 +15,7 @@ Requests and their replies::
     ping     {op, id}                               -> pong  {experts, versions, in_flight,
                                                               draining, counters}
     forward  {op, id, dtype, shape, layer?, groups?}  [x]   -> result {id, dtype, shape, compute_s,
-                                                               timing?, versions?}  [y]
+                                                               t_in?, t_out?, timing?, versions?}  [y]
     load     {op, id, expert, version, layer?, weights | seed | checkpoint, fingerprint?}
                                                     -> loaded  {id, expert, version, layer?}
     retire   {op, id, expert, version, layer?}      -> retired {id, expert, version, active, layer?}
@@ -31,6 +31,9 @@ drops a version, and retiring the active one makes the other the active one. ``v
 in a result ([[expert, version], ...]) says which version served a pinned expert. A worker
 that starts draining (SIGTERM) sends an unsolicited ``{op: "draining"}`` on every
 connection. ``versions`` in info and pong is [[expert, active, [held, ...]], ...].
+``t_in``/``t_out`` in a result are the worker's clock (seconds) when it took the request and
+when its output was ready: the gateway reads their difference, the worker's busy time per
+message, never compares them with its own clock.
 Header values are plain ints, floats, strings and lists (no int-keyed maps), so any
 msgpack implementation on any backend decodes them alike.
 
