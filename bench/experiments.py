@@ -24,7 +24,7 @@ import numpy as np
 from bench.load import ConfigError, _nan_to_none, measure, note, write_plot
 
 AXIS_TITLE = {"n_experts": "experts", "top_k": "top-k", "d_model": "d_model", "batching": "batching",
-              "balancing": "balancing", "max_inflight_rounds": "rounds in flight"}
+              "balancing": "balancing", "max_inflight_rounds": "rounds in flight", "chunk_rows": "rows per message"}
 
 
 def at_knee(run: dict) -> tuple[Optional[dict], str]:
@@ -65,7 +65,7 @@ def summary(point: dict, res: dict) -> dict:
 
 def config_of(args, pt: dict) -> tuple:
     """The point's effective configuration (what a gateway started for it varies in)."""
-    keys = ("n_experts", "top_k", "d_model", "batching", "balancing", "max_inflight_rounds")
+    keys = ("n_experts", "top_k", "d_model", "batching", "balancing", "max_inflight_rounds", "chunk_rows")
     return tuple((k, pt["value"] if k == pt["axis"] else getattr(args, k)) for k in keys)
 
 

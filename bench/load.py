@@ -61,6 +61,7 @@ import numpy as np
 
 from bench import schedule as S
 from bench.stats import reliable
+from gateway.chunking import chunk_rows_flag
 
 DEMO = dict(d_model=256, d_ff=512, prefill=64, decode=8)
 FULL = dict(d_model=1024, d_ff=2048, prefill=256, decode=32)
@@ -68,12 +69,13 @@ LAYER_DEFAULTS = dict(n_experts=8, top_k=2, dtype="float32")
 STARTED_DEFAULTS = dict(local_workers=2, max_wait_ms=1.0, max_inflight_rounds=2)
 # the started gateway's routing and policies (moe-gateway's defaults)
 GATEWAY_DEFAULTS = dict(replicas=1, overflow="drop", noisy=False, noise_std=1.0, batching="fifo",
-                        balancing="load-aware")
+                        balancing="load-aware", chunk_rows="auto")
 # --sweep KEY: the layer's shape; --compare KEY: a gateway policy (aliases -> the flag's dest)
 SWEEP_KEYS = {"n_experts": int, "top_k": int, "d_model": int}
-COMPARE_KEYS = {"batching": str, "balancing": str, "max_inflight_rounds": int}
+COMPARE_KEYS = {"batching": str, "balancing": str, "max_inflight_rounds": int, "chunk_rows": str}
 KEY_ALIASES = {"experts": "n_experts", "k": "top_k", "inflight": "max_inflight_rounds",
-               "pipelining": "max_inflight_rounds", "rounds_in_flight": "max_inflight_rounds"}
+               "pipelining": "max_inflight_rounds", "rounds_in_flight": "max_inflight_rounds",
+               "chunks": "chunk_rows"}
 PCTS = (("p50", 50.0), ("p95", 95.0), ("p99", 99.0), ("p999", 99.9))
 MIXED_BURSTINESS = 0.25  # mixed mode's default gamma shape: gaps with a CV of 2
 # peers go after ours, the reference last: its two BLAS threads spin after their work
@@ -156,13 +158,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="which queued requests a round takes (default fifo)")
     gw.add_argument("--balancing", default=None, choices=["load-aware", "least-loaded"],
                     help="replica choice for replicated experts (default load-aware)")
+    gw.add_argument("--chunk-rows", default=None, type=chunk_rows_flag, metavar="auto|off|ROWS",
+                    help="pipelined rounds: rows per message to a worker (default auto)")
     ex = p.add_argument_group("experiments: several started gateways, each a ramp to its knee, one report")
     ex.add_argument("--sweep", default=None, metavar="KEY=V1,V2,...",
                     help="one ramp per value of n_experts, top_k or d_model, e.g. n_experts=8,16,32: a table of "
                          "tokens/s at each knee with mean and p99 latency, and (--plot) a figure")
     ex.add_argument("--compare", action="append", default=None, metavar="KEY=V1,V2,...",
                     help="one ramp per variant, each against the first: batching=fifo,expert-aware, "
-                         "balancing=load-aware,least-loaded, max_inflight_rounds=1,2 (pipelining); repeatable, "
+                         "balancing=load-aware,least-loaded, max_inflight_rounds=1,2 (rounds in flight), "
+                         "chunk_rows=off,auto (pipelined rounds); repeatable, "
                          "each axis varied alone")
     ex.add_argument("--repeat", type=int, default=1, metavar="N",
                     help="measure every point N times, interleaved, and report medians and the spread (default 1)")
@@ -588,6 +593,13 @@ def _points(args) -> list[dict]:
             bad = [v for v in vals if v not in allowed]
             if bad:
                 raise ConfigError(f"--compare {key}: unknown {bad}; choose from {', '.join(allowed)}")
+        if key == "chunk_rows":
+            try:
+                vals = [chunk_rows_flag(v) for v in vals]
+            except argparse.ArgumentTypeError as e:
+                raise ConfigError(f"--compare {key}: {e}") from None
+            if len(set(vals)) != len(vals):
+                raise ConfigError(f"--compare {spec!r}: give two or more different values")
         if any(isinstance(v, int) and v < 1 for v in vals):
             raise ConfigError(f"--{kind} {spec!r}: values must be >= 1")
         if kind == "compare" and any(p["axis"] == key for p in out):
@@ -630,6 +642,7 @@ def adopt_gateway(args, cfg: dict) -> None:
             "max_batch_tokens": cfg.get("max_batch_tokens"), "local_workers": len(cfg.get("workers", [])) or None,
             "noisy": router.get("noisy"), "noise_std": router.get("noise_std") if router.get("noisy") else None,
             "overflow": router.get("overflow"), "batching": cfg.get("batching"), "balancing": cfg.get("balancing"),
+            "chunk_rows": None if cfg.get("chunk_rows") is None else chunk_rows_flag(str(cfg["chunk_rows"])),
             "replicas": cfg.get("replicas"),
             "gate_bias": None if router.get("bias") is None else ",".join(f"{b:g}" for b in router["bias"])}
     if "gate_bias" in args.explicit and args.gate_bias is not None:  # compare numbers, not spellings
@@ -686,7 +699,7 @@ def _make_router(make_router, args):
 def gateway_flags(args) -> list[str]:
     """The started gateway's routing and policy flags (the rest is MoeTransport.start's)."""
     out = ["--replicas", str(args.replicas), "--overflow", args.overflow, "--batching", args.batching,
-           "--balancing", args.balancing]
+           "--balancing", args.balancing, "--chunk-rows", str(args.chunk_rows)]
     if args.noisy:
         out += ["--noisy", "--noise-std", repr(float(args.noise_std))]
     if args.gate_bias:

@@ -7,7 +7,10 @@ Systems, same weights and router, same batches, interleaved round by round:
   would slow every system measured after them on 2 cores;
 - multiprocessing: two worker processes fed through multiprocessing pipes (the peer a
   user would write first);
-- moe-transport: real `moe-worker` processes driven by the gateway's WorkerPool, per backend.
+- moe-transport: real `moe-worker` processes driven by the gateway's WorkerPool, per backend,
+  with each worker's part sent whole (one message) and, as moe-transport+chunks, in chunks
+  (pipelined rounds, gateway/chunking.py): per round, the busiest worker's time with no
+  token to compute bounds what chunking can gain, and the report sets the gain beside it.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from bench.systems import Multiprocessing
+from gateway.chunking import chunk_rows_flag
 
 FULL = dict(d_model=1024, d_ff=2048, batch=256)
 QUICK = dict(d_model=256, d_ff=512, batch=128)
@@ -40,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="router and expert weights (default 0)")
     p.add_argument("--quick", action="store_true", help="small dims for a smoke run")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--chunk-rows", default="auto", type=chunk_rows_flag, metavar="auto|off|ROWS",
+                   help="moe-transport+chunks: rows per message (default auto, as moe-gateway); "
+                        "off leaves only the whole-part system")
     p.add_argument("--compute", choices=["numpy", "torch"], default=None,
                    help="torch: the expert-kernel benchmark (bench/moe_kernels.py): ours with this kernel beside "
                         "the kernel called directly, the in-process torch layer, multiprocessing with the same "
@@ -90,7 +97,7 @@ class ReferenceChild:
 # -- moe-transport: real worker processes ---------------------------------------------
 class TransportSystem:
     def __init__(self, backend: str, router, n_workers: int, d_model: int, d_ff: int, seed: int, batch: int,
-                 dtype: str = "float32", extra: tuple = ()):
+                 dtype: str = "float32", extra: tuple = (), chunk_rows="auto"):
         from gateway.pool import WorkerPool
         from transport.service import secrets
         from transport.service.launch import blas_env, spawn_service
@@ -111,7 +118,8 @@ class TransportSystem:
                                       env=blas_env(1), timeout=60)
             self.procs.append(proc)
             urls.append(url)
-        self.pool = WorkerPool(urls, router, max_batch_tokens=batch, timeout=60, dtype=dtype, secret=secret)
+        self.pool = WorkerPool(urls, router, max_batch_tokens=batch, timeout=60, dtype=dtype, secret=secret,
+                               chunk_rows=chunk_rows)
         self.stages: list[dict] = []
 
     def forward(self, x: np.ndarray) -> np.ndarray:
@@ -129,6 +137,20 @@ class TransportSystem:
 def _pct(a: list[float]) -> tuple[float, float]:
     arr = np.asarray(a) * 1e3
     return float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
+
+
+def pipelining_gain(whole: dict, chunked: dict) -> dict:
+    """Chunked beside whole parts, from one run: the gain in tokens/s, and its bound. With
+    the busiest worker never idle, a round would take its round time minus that worker's
+    time with no token to compute: bound = round / (round - no_token). ``of_bound``: the
+    share of the possible gain realized, (gain - 1) / (bound - 1)."""
+    st = whole["stage_ms"]
+    round_ms, idle = st["total"], st["no_token"]
+    bound = round_ms / max(round_ms - idle, 1e-9)
+    gain = chunked["tokens_per_s"] / whole["tokens_per_s"]
+    return {"gain": gain, "bound": bound, "of_bound": (gain - 1) / (bound - 1) if bound > 1 else float("nan"),
+            "round_ms": round_ms, "no_token_ms": idle, "chunked_no_token_ms": chunked["stage_ms"]["no_token"],
+            "p99_ratio": chunked["p99_ms"] / whole["p99_ms"], "messages": chunked["stage_ms"]["messages"]}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,8 +177,14 @@ def run(args: argparse.Namespace) -> int:
     systems: dict[str, Any] = {}
     with threadpool_limits(1):  # the gateway side stays on one BLAS thread
         systems["multiprocessing"] = Multiprocessing(ref.router, args.local_workers, dff, args.seed, batch * args.top_k)
+    from gateway.chunking import parse_chunk_rows
+    chunk_rows = parse_chunk_rows(args.chunk_rows)
     for b in backends:
-        systems[f"moe-transport/{b}"] = TransportSystem(b, ref.router, args.local_workers, d, dff, args.seed, batch)
+        systems[f"moe-transport/{b}"] = TransportSystem(b, ref.router, args.local_workers, d, dff, args.seed, batch,
+                                                        chunk_rows=0)
+        if chunk_rows != 0:
+            systems[f"moe-transport+chunks/{b}"] = TransportSystem(b, ref.router, args.local_workers, d, dff,
+                                                                   args.seed, batch, chunk_rows=chunk_rows)
     lat: dict[str, list[float]] = {"reference-1t": [], "reference-2t": [], **{k: [] for k in systems}}
     try:
         with threadpool_limits(1):
@@ -185,6 +213,10 @@ def run(args: argparse.Namespace) -> int:
             if isinstance(s, TransportSystem) and s.stages:
                 keys = ("route_s", "dispatch_s", "gather_s", "compute_s", "wait_s", "combine_s", "total_s")
                 stage_ms[name] = {k[:-2]: float(np.median([st[k] for st in s.stages[1:]])) * 1e3 for k in keys}
+                # the busiest worker's time with no token to compute, per round
+                stage_ms[name]["no_token"] = float(np.median([max(0.0, st["total_s"] - st["busiest_s"])
+                                                              for st in s.stages[1:]])) * 1e3
+                stage_ms[name]["messages"] = float(np.median([st["messages"] for st in s.stages[1:]]))
     finally:
         for s in list(systems.values()) + list(refs.values()):
             s.close()
@@ -206,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n2-core ceiling (2 x reference-1t): {ceiling:.0f} tokens/s")
     for b in backends:
         r = by[("moe-transport", b)]
-        st = r["stage_ms"]
+        st = {k: v for k, v in r["stage_ms"].items() if k not in ("no_token", "messages")}
         # the transport's share: sending (dispatch without the MoE gather) and the wait
         # beyond the slowest worker's compute; the gather and combine are MoE's own copies
         share = ((st["dispatch"] - st["gather"]) + max(0.0, st["wait"] - st["compute"])) / st["total"] \
@@ -216,6 +248,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"{b}: {ratios[b]['vs_ceiling']:.2f}x the ceiling, {ratios[b]['vs_multiprocessing']:.2f}x multiprocessing; "
               f"transport share of the batch {100 * share:.1f}%  stages(ms) " +
               " ".join(f"{k}={v:.2f}" for k, v in st.items()))
+        chunked = by.get(("moe-transport+chunks", b))
+        if chunked is not None:
+            ratios[b]["chunks"] = pipelining_gain(r, chunked)
+            g = ratios[b]["chunks"]
+            print(f"{b} chunked rounds ({g['messages']:.0f} messages a round): {g['gain']:.2f}x tokens/s, "
+                  f"p99 {g['p99_ratio']:.2f}x; bound {g['bound']:.2f}x (round {g['round_ms']:.1f} ms, the busiest "
+                  f"worker {g['no_token_ms']:.1f} ms of it with no token); {100 * g['of_bound']:.0f}% of the "
+                  f"possible gain (target >= 80%)")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

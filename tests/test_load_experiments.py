@@ -36,6 +36,10 @@ def test_sweep_and_compare_parse_into_points():
         ("batching", "fifo", True), ("batching", "expert-aware", False),
         ("max_inflight_rounds", 1, True), ("max_inflight_rounds", 2, False)]
     assert parse("--rate", "3").points == [] and parse("--rate", "3").mode == "fixed-rate"
+    c = parse("--compare", "chunks=off,auto,64")  # pipelined rounds: one spelling per setting
+    assert [(p["axis"], p["value"], p["baseline"]) for p in c.points] == [
+        ("chunk_rows", "off", True), ("chunk_rows", "auto", False), ("chunk_rows", "64", False)]
+    assert parse("--chunk-rows", "0").chunk_rows == "off" and parse("--rate", "3").chunk_rows == "auto"
 
 
 @pytest.mark.parametrize("argv, why", [
@@ -48,6 +52,8 @@ def test_sweep_and_compare_parse_into_points():
     (["--sweep", "n_experts=4,8", "--mode", "fixed-rate"], "contradict --mode fixed-rate"),
     (["--sweep", "n_experts=4,8", "--systems", "moe-transport,reference"], "drop --systems"),
     (["--compare", "inflight=0,2"], "values must be >= 1"),
+    (["--compare", "chunk_rows=off,many"], "chunk rows must be"),
+    (["--compare", "chunk_rows=off,0"], "two or more different values"),
 ])
 def test_bad_experiments_are_refused_with_the_reason(argv, why):
     with pytest.raises(L.ConfigError, match=None) as e:
@@ -144,13 +150,15 @@ def test_expert_sweep_for_real(tmp_path):
 def test_batching_comparison_passes_the_routing_flags_through(tmp_path):
     doc, stdout = run_load(tmp_path, "--compare", "batching=fifo,expert-aware", "--replicas", "2", "--noisy",
                            "--noise-std", "0.3", "--overflow", "spill", "--capacity-factor", "2",
-                           "--gate-bias=0.4,0,0,0,0,0,0,0", "--balancing", "least-loaded", "--backend", "tcp")
+                           "--gate-bias=0.4,0,0,0,0,0,0,0", "--balancing", "least-loaded", "--backend", "tcp",
+                           "--chunk-rows", "5")
     pts = doc["points"]
     assert [p["value"] for p in pts] == ["fifo", "expert-aware"]
     for p in pts:
         cfg = p["gateway_config"]
         r = cfg["router"]
         assert cfg["batching"] == p["value"] and cfg["balancing"] == "least-loaded" and cfg["replicas"] == 2
+        assert cfg["chunk_rows"] == 5
         assert r["noisy"] is True and r["noise_std"] == pytest.approx(0.3) and r["overflow"] == "spill"
         assert r["capacity_factor"] == 2 and r["bias"][0] == pytest.approx(0.4) and r["bias"][1:] == [0.0] * 7
         assert p["at_knee"]["tokens_per_s"] > 0

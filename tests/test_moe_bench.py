@@ -1,0 +1,35 @@
+"""`moe-bench moe` end to end at smoke size: every system computes the reference's layer (the
+tool checks it before timing), the whole-part and chunked moe-transport run side by side, and
+the JSON carries the pipelining figures (gain, its bound from the workers' own clocks, and
+the messages a round took). It asserts what was measured, never how fast."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_moe_bench_sets_chunked_rounds_beside_whole_parts(tmp_path):
+    out = tmp_path / "moe.json"
+    cmd = [sys.executable, "-m", "bench.cli", "moe", "--quick", "--rounds", "1", "--batches", "3", "--backend", "shm",
+           "--d-model", "64", "--d-ff", "128", "--batch", "64", "--chunk-rows", "16", "--json", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    systems = {(r["system"], r["backend"]) for r in data["results"]}
+    assert {("moe-transport", "shm"), ("moe-transport+chunks", "shm")} <= systems
+    by = {(r["system"], r["backend"]): r for r in data["results"]}
+    whole, chunked = by[("moe-transport", "shm")], by[("moe-transport+chunks", "shm")]
+    assert whole["stage_ms"]["messages"] == 2  # one message per worker
+    # 64 tokens x top-2 = 128 rows over 2 workers, in messages of at most 16 rows
+    assert chunked["stage_ms"]["messages"] >= 128 / 16
+    assert 0 <= whole["stage_ms"]["no_token"] <= whole["stage_ms"]["total"]
+    g = data["ratios"]["shm"]["chunks"]
+    assert g["bound"] >= 1 and g["gain"] > 0 and g["messages"] == chunked["stage_ms"]["messages"]
+    assert "chunked rounds" in p.stdout and "of the possible gain" in p.stdout
