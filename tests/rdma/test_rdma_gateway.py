@@ -5,7 +5,8 @@ The cases are tests/test_distributed_equality.py's own (imported, so one definit
 its `backend` fixture replaced by an rdma one. Every Python start costs seconds under the
 guest's TCG emulation, so this runs a representative subset: uniform top-2, skewed routing
 onto a replicated hot expert, capacity overflow with spill, requests sharing a round, the
-split of a hot expert over replicas, and the pool driven in-process.
+split of a hot expert over replicas, and the pool driven in-process; whole parts and chunked
+(pipelined) rounds.
 """
 from __future__ import annotations
 
@@ -36,6 +37,6 @@ def backend(rdma_device):
         yield b
 
 
-@pytest.mark.parametrize("name", SUBSET)
-def test_gateway_equals_reference_over_rdma(backend, name):
-    eq.test_gateway_equals_reference(backend, name)
+@pytest.mark.parametrize("name, chunk_rows", [(n, "auto") for n in SUBSET] + [("top2-zipf-replicated-hot", "7")])
+def test_gateway_equals_reference_over_rdma(backend, name, chunk_rows):
+    eq.test_gateway_equals_reference(backend, name, chunk_rows)
