@@ -4,24 +4,30 @@ A worker's part of a round is one block of rows grouped by expert. Sent whole, t
 computes only once the whole block has arrived, and the gateway waits while it computes.
 Cut into chunks of ``C`` rows, each its own message, the worker starts on the first chunk
 while the next is gathered and in flight, and a request whose rows all came back is combined
-while the worker computes the rest. Each chunk costs a message, and a smaller matrix product
-may run slower per row, so the size is chosen from what was measured on that worker
-(:class:`ChunkCosts`), or fixed by the operator. No I/O here: the rules are tested alone.
+while the worker computes the rest. What that can save is the worker's time with no token
+to compute in a round sent whole; what it costs is a message per chunk and, a smaller
+matrix product often running slower per row, the compute lost to smaller products. Both are
+measured on each worker (:class:`ChunkCosts`) and the size chosen where the saving beats the
+cost, or fixed by the operator. No I/O here: the rules are tested alone.
 """
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 #: chunk sizes tried are powers of two from here: below it every BLAS kernel runs far from
 #: its rate and the per-message cost dominates
 MIN_CHUNK = 32
-#: a chunk's compute must be at least this many times the per-message cost (5% overhead)
-MSG_COST_RATIO = 20.0
-#: a chunk size is used only if its measured compute per row is within this factor of the
-#: whole block's (a smaller product may be slower per row: that loss would eat the overlap)
-SLOWER_PER_ROW = 1.10
+#: chunks must save more than this share of the part's compute (measurement noise aside)
+MARGIN = 0.02
 DECAY = 0.9  # weight of the past in the decayed sums below
+WARMUP = 4  # rounds sent whole (and measured) before auto first tries chunks
+PROBES = 3  # then rounds sent in chunks, to measure them
+SAMPLES = 8  # the last rounds of each way that the choice looks at
+MODE_MARGIN = 0.05  # chunks are kept only if that much cheaper per row (rounds vary more)
+PROBE_EVERY = 16  # one round in this many goes the other way, so both stay measured
 
 ChunkSetting = Union[str, int]  # "auto", or a fixed size in rows (0: never chunk)
 
@@ -61,7 +67,8 @@ def _decayed(mean: Optional[float], x: float) -> Optional[float]:
 
 
 def _bucket(rows: int) -> int:
-    return max(1, int(rows)).bit_length()  # 32..63 rows -> 6, 64..127 -> 7, ...
+    """Half octaves: 128 rows and 250 rows are told apart (a chunk and a part it came from)."""
+    return round(2 * math.log2(max(1, int(rows))))
 
 
 @dataclass
@@ -73,6 +80,7 @@ class ChunkCosts:
 
     send_s: Optional[float] = None  # the gateway's time to send one (after its gather)
     serve_s: Optional[float] = None  # the worker's time on one outside its compute
+    idle_s: Optional[float] = None  # its time with no token to compute in a round sent whole
     per_row: dict = field(default_factory=dict)  # bucket -> [decayed seconds, decayed rows]
 
     @property
@@ -87,6 +95,11 @@ class ChunkCosts:
 
     def record_serve(self, seconds: float) -> None:
         self.serve_s = _decayed(self.serve_s, seconds)
+
+    def record_idle(self, seconds: float) -> None:
+        """A round that sent this worker its part whole, alone in flight (with other rounds
+        out, the worker may have been busy with theirs)."""
+        self.idle_s = _decayed(self.idle_s, seconds)
 
     def record_compute(self, rows: int, seconds: float) -> None:
         if rows <= 0 or seconds < 0:
@@ -108,28 +121,32 @@ class ChunkCosts:
 def choose_chunk_rows(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts]) -> int:
     """Rows per chunk for a part of ``rows`` rows; ``rows`` itself means one message.
 
-    Fixed: that size (0: one message). Auto: the smallest power of two from MIN_CHUNK that
-    leaves at least two chunks, whose compute is at least MSG_COST_RATIO times a message's
-    cost, and whose compute per row, as measured at that size (or the nearest size
-    measured), is within SLOWER_PER_ROW of the whole block's. Nothing measured yet: one
-    message (the first rounds measure)."""
+    Fixed: that size (0: one message). Auto: of the powers of two from MIN_CHUNK that leave
+    at least two chunks, the one whose expected saving most exceeds its cost, where with n
+    chunks the saving is the worker's measured no-token time times (1 - 1/n) (the fill
+    that overlaps), and the cost n messages plus the rows times the extra compute per row
+    measured at that size (or the nearest size measured); one message when none saves more
+    than MARGIN of the part's compute, or before the first rounds measured it."""
     if rows <= 1:
         return max(rows, 0)
     if setting != "auto":
         c = int(setting)
         return rows if c <= 0 or c >= rows else c
-    if costs is None or costs.msg_s is None:
+    if costs is None or costs.msg_s is None or costs.idle_s is None:
         return rows
     whole = costs.seconds_per_row(rows)
     if not whole:
         return rows
+    best, best_net = rows, MARGIN * rows * whole
     c = MIN_CHUNK
     while 2 * c <= rows:
+        n = -(-rows // c)
         spr = costs.seconds_per_row(c) or whole
-        if c * spr >= MSG_COST_RATIO * costs.msg_s and spr <= SLOWER_PER_ROW * whole:
-            return c
+        net = costs.idle_s * (1 - 1 / n) - n * costs.msg_s - rows * max(0.0, spr - whole)
+        if net > best_net:
+            best, best_net = c, net
         c *= 2
-    return rows
+    return best
 
 
 def chunk_groups(groups: Sequence[Sequence[int]], lo: int, hi: int) -> list[tuple]:
@@ -145,3 +162,34 @@ def chunk_groups(groups: Sequence[Sequence[int]], lo: int, hi: int) -> list[tupl
         elif start >= hi:
             break
     return out
+
+
+class ChunkMode:
+    """Whether auto chunks at all: decided from what rounds cost, measured, not modelled.
+    The size model (:func:`choose_chunk_rows`) cannot see everything chunks cost, e.g.
+    three busy processes on two cores, where the gateway's work on replies as they land
+    takes a core from a computing worker. So rounds alone in flight are timed per row, whole
+    and chunked: after WARMUP whole rounds, PROBES go chunked; then the way whose median of
+    the last SAMPLES is cheaper by MODE_MARGIN is taken (a median: one slow round on a
+    shared machine must not flip it), the other tried again one round in PROBE_EVERY."""
+
+    def __init__(self) -> None:
+        self.samples: dict = {False: deque(maxlen=SAMPLES), True: deque(maxlen=SAMPLES)}  # chunked? -> s/row
+        self.rounds = 0
+
+    def record(self, chunked: bool, seconds: float, rows: int) -> None:
+        if rows > 0 and seconds >= 0:
+            self.samples[chunked].append(seconds / rows)
+            self.rounds += 1
+
+    def per_row(self, chunked: bool) -> Optional[float]:
+        got = sorted(self.samples[chunked])
+        return got[len(got) // 2] if got else None
+
+    def want_chunks(self) -> bool:
+        if len(self.samples[False]) < WARMUP:
+            return False
+        if len(self.samples[True]) < PROBES:
+            return True
+        better = self.per_row(True) < self.per_row(False) * (1 - MODE_MARGIN)
+        return (not better) if self.rounds % PROBE_EVERY == 0 else better

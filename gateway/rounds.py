@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from gateway.chunking import ChunkSetting, choose_chunk_rows, chunk_groups, parse_chunk_rows
+from gateway.chunking import MIN_CHUNK, ChunkMode, ChunkSetting, choose_chunk_rows, chunk_groups, parse_chunk_rows
 from gateway.dispatch import DispatchPlan, split_over_replicas
 from gateway.replicas import BALANCING, choose_least_loaded, choose_replicas
 from gateway.router import Routing
@@ -178,6 +178,7 @@ class Round:
         self.compute: dict = {}  # worker -> its compute seconds
         self.msg_ids: list = []  # (worker, message id) of its chunks (the book maps them back)
         self.outstanding: set = set()  # workers whose part has not been answered (nor failed)
+        self.alone = True  # no other round was out during its life (its idle times are its own)
         self.users: dict = {}  # worker -> requests of this round still using its reply
         self.stats = BatchStats(requests=len(requests))
         self._t0 = time.perf_counter()
@@ -266,6 +267,7 @@ class RoundBook:
         self._avoid: frozenset = frozenset()  # workers a retry round must not use
         self.retried = 0
         self.chunk_rows = parse_chunk_rows(chunk_rows)
+        self.chunk_mode = ChunkMode()  # auto: chunks at all, from measured round costs
         self._msgs: dict[tuple, tuple] = {}  # (worker, message id) -> (round, chunk)
         self._backlog: dict[int, deque] = {}  # worker -> (round, chunk) its connection could not take yet
 
@@ -303,6 +305,8 @@ class RoundBook:
         if not live:
             return None
         rnd = Round(self._ids(), live, time.monotonic() + self.timeout, live[0].layer)
+        for other in self.rounds.values():
+            other.alone = rnd.alone = False
         rnd.stats.route_s = route_s
         now = time.perf_counter()
         for req in live:
@@ -407,6 +411,8 @@ class RoundBook:
                                                   assign[at:at + T], n_workers, n_experts=n_experts)
             at += T
             r.bases, r.waiting = {}, set()
+        auto = self.chunk_rows == "auto"
+        may_chunk = not auto or self.chunk_mode.want_chunks()
         for w in range(n_workers):
             base = 0
             for r in reqs:
@@ -416,7 +422,8 @@ class RoundBook:
                     base += n
             if base:
                 rnd.rows[w] = base
-                rnd.chunk[w] = choose_chunk_rows(base, self.chunk_rows, self.workers[w].chunk_costs)
+                rnd.chunk[w] = choose_chunk_rows(base, self.chunk_rows, self.workers[w].chunk_costs) \
+                    if may_chunk else base
                 users = [r for r in reqs if w in r.bases]
                 rnd.users[w] = len(users)
                 for r in users:
@@ -672,6 +679,14 @@ class RoundBook:
             rnd.stats.wait_s = now - rnd.sent_at
             rnd.stats.total_s = now - rnd._t0
             del self.rounds[rnd.id]
+            if rnd.alone and rnd.rows:
+                for wi, busy in rnd.busy.items():  # what chunks could have hidden: its time with no token
+                    if rnd.chunk[wi] >= rnd.rows[wi]:
+                        self.workers[wi].chunk_costs.record_idle(max(0.0, rnd.stats.total_s - busy))
+                # rounds big enough to chunk, timed per row, whole and chunked
+                if not rnd.outstanding and max(rnd.rows.values()) >= 2 * MIN_CHUNK and not any(
+                        r.error is not None for r in rnd.requests):
+                    self.chunk_mode.record(rnd.chunked, rnd.stats.total_s, sum(rnd.rows.values()))
             for key in rnd.msg_ids:  # a late reply to one of them is now unknown: released
                 self._msgs.pop(key, None)
             self._settled.append(rnd)

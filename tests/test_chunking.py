@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.chunking import (MIN_CHUNK, MSG_COST_RATIO, ChunkCosts, choose_chunk_rows, chunk_groups,
-                              parse_chunk_rows)
+from gateway.chunking import MIN_CHUNK, ChunkCosts, choose_chunk_rows, chunk_groups, parse_chunk_rows
 from gateway.dispatch import DispatchPlan
 from workers import bf16
 
@@ -35,10 +34,12 @@ def test_fixed_sizes():
     assert choose_chunk_rows(0, 7, None) == 0
 
 
-def _costs(msg_s, per_row: dict) -> ChunkCosts:
+def _costs(msg_s, per_row: dict, idle_s=None) -> ChunkCosts:
     c = ChunkCosts()
     c.record_send(msg_s / 2)
     c.record_serve(msg_s / 2)
+    if idle_s is not None:
+        c.record_idle(idle_s)
     for rows, spr in per_row.items():
         c.record_compute(rows, rows * spr)
     return c
@@ -48,32 +49,37 @@ def test_auto_needs_measurements():
     assert choose_chunk_rows(1024, "auto", None) == 1024
     assert choose_chunk_rows(1024, "auto", ChunkCosts()) == 1024
     c = ChunkCosts()
-    c.record_compute(1024, 0.1)  # a compute rate but no message cost yet
+    c.record_compute(1024, 0.1)  # a compute rate but no message cost nor idle time yet
     assert choose_chunk_rows(1024, "auto", c) == 1024
+    assert choose_chunk_rows(1024, "auto", _costs(50e-6, {1024: 1e-3})) == 1024  # no idle time measured
 
 
-def test_auto_smallest_size_that_pays():
-    # 1 ms a row, 50 us a message: 32 rows compute 32 ms >= 20 x 50 us
-    assert choose_chunk_rows(1024, "auto", _costs(50e-6, {1024: 1e-3})) == MIN_CHUNK
-    # a message as dear as 3 rows of compute: chunks of >= 60 rows -> 64
-    assert choose_chunk_rows(1024, "auto", _costs(3e-3, {1024: 1e-3})) == 64
-    # never fewer than two chunks
-    assert choose_chunk_rows(100, "auto", _costs(3e-3, {100: 1e-3})) == 100  # 64 * 2 > 100
+def _net(c, rows, idle, msg, spr_c, whole):
+    n = -(-rows // c)
+    return idle * (1 - 1 / n) - n * msg - rows * max(0.0, spr_c - whole)
 
 
-def test_auto_cheap_compute_is_never_chunked():
-    # tiny experts: a row computes in 1 us, a message costs 200 us: even half the block
-    # (2 ms) is under 20 messages' cost
-    assert choose_chunk_rows(4096, "auto", _costs(200e-6, {4096: 1e-6})) == 4096
-    assert choose_chunk_rows(4096, "auto", _costs(100e-6, {4096: 1e-6})) == 2048  # just pays
+def test_auto_takes_the_size_whose_saving_beats_its_cost_most():
+    # 1 ms a row over 1024 rows (1.02 s of compute), 100 ms idle a round, 1 ms a message,
+    # every size as fast per row: the saving idle*(1-1/n) grows with n, messages cost n ms
+    rows, idle, msg = 1024, 0.1, 1e-3
+    got = choose_chunk_rows(rows, "auto", _costs(msg, {rows: 1e-3}, idle))
+    sizes = [MIN_CHUNK * 2 ** i for i in range(6) if MIN_CHUNK * 2 ** i * 2 <= rows]
+    assert got == max(sizes, key=lambda c: _net(c, rows, idle, msg, 1e-3, 1e-3))
+    assert got == 128  # n = 8: 100 ms * 7/8 - 8 ms, the best of 32 .. 512
+
+
+def test_auto_sends_whole_when_the_idle_time_is_small():
+    # the busiest worker idles 2 ms of a 200 ms round: no chunking saves 2% of the compute
+    assert choose_chunk_rows(256, "auto", _costs(100e-6, {256: 0.8e-3}, 2e-3)) == 256
 
 
 def test_auto_avoids_sizes_measured_slower_per_row():
-    # small products measured 30% slower per row (kernel efficiency): 32 and 64 are out
-    costs = _costs(1e-6, {1024: 1e-3, 32: 1.3e-3, 64: 1.3e-3, 128: 1.05e-3})
+    # 32 and 64 rows measured 30% slower per row: their loss beats the saving; 128 is as fast
+    costs = _costs(1e-6, {1024: 1e-3, 32: 1.3e-3, 64: 1.3e-3, 128: 1.0e-3}, idle_s=0.2)
     assert choose_chunk_rows(1024, "auto", costs) == 128
-    # and if every smaller size is slower, one message
-    costs = _costs(1e-6, {1024: 1e-3, 32: 2e-3, 64: 2e-3, 128: 2e-3, 256: 2e-3, 512: 2e-3})
+    # every smaller size slower: one message
+    costs = _costs(1e-6, {1024: 1e-3, 32: 2e-3, 64: 2e-3, 128: 2e-3, 256: 2e-3, 512: 2e-3}, idle_s=0.2)
     assert choose_chunk_rows(1024, "auto", costs) == 1024
 
 
@@ -88,7 +94,6 @@ def test_costs_decay_toward_new_measurements():
     assert c.msg_s == pytest.approx(0.2, rel=1e-3)
     c.record_send(-5.0)  # a clock that went backwards is ignored
     assert c.msg_s == pytest.approx(0.2, rel=1e-3)
-    assert MSG_COST_RATIO > 1
 
 
 @settings(max_examples=200, deadline=None)
@@ -158,3 +163,31 @@ def test_gather_into_a_range_of_rows():
     np.testing.assert_array_equal(out, whole[2:n - 1])
     with pytest.raises(ValueError, match="outside"):
         plan.gather_into(x, w, out, rows=(2, n + 1))
+
+
+def test_chunk_mode_measures_both_ways_and_keeps_the_cheaper():
+    from gateway.chunking import PROBE_EVERY, PROBES, WARMUP, ChunkMode
+    m = ChunkMode()
+    assert not m.want_chunks()  # nothing measured: whole
+    for _ in range(WARMUP):
+        assert not m.want_chunks()
+        m.record(False, 0.05, 500)  # 100 us a row, whole
+    for _ in range(PROBES):
+        assert m.want_chunks()  # whole measured, chunked not yet: try it
+        m.record(True, 0.06, 500)  # chunked measured dearer (120 us a row)
+    picks = []
+    for _ in range(3 * PROBE_EVERY):
+        c = m.want_chunks()
+        picks.append(c)
+        m.record(c, 0.06 if c else 0.05, 500)
+    # whole nearly always, chunked once in a while to stay measured
+    assert picks.count(True) in range(2, 5) and picks.count(False) > 2 * PROBE_EVERY
+    m.record(False, 5.0, 500)  # one round 100x slower (a shared machine) flips nothing
+    assert m.per_row(False) == pytest.approx(1e-4) and not m.want_chunks()
+    m2 = ChunkMode()  # and the other way round: chunks cheaper, chunks kept
+    for _ in range(WARMUP):
+        m2.record(False, 0.05, 500)
+    for _ in range(3 * PROBE_EVERY):
+        c = m2.want_chunks()
+        m2.record(c, 0.04 if c else 0.05, 500)
+    assert m2.rounds % PROBE_EVERY != 0 and m2.want_chunks() and m2.per_row(True) < m2.per_row(False)
