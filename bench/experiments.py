@@ -153,6 +153,7 @@ def _load_meta(args) -> dict:
             "local_workers": args.local_workers, "d_model": args.d_model, "d_ff": args.d_ff,
             "n_experts": args.n_experts, "top_k": args.top_k, "replicas": args.replicas,
             "batching": args.batching, "balancing": args.balancing, "overflow": args.overflow,
+            "chunk_rows": getattr(args, "chunk_rows", "auto"),
             "noisy": args.noisy, "noise_std": args.noise_std, "gate_bias": args.gate_bias,
             "capacity_factor": args.capacity_factor, "max_inflight_rounds": args.max_inflight_rounds,
             "max_wait_ms": args.max_wait_ms, "scenario": args.scenario, "slo_tpot_ms": args.slo_tpot_ms,
@@ -186,13 +187,13 @@ def _row(p: dict, first_col: str) -> str:
     gr = p.get("gateway_routing") or {}
     busiest = _f(gr.get("max_over_mean"), "{:.2f}x")
     st = a.get("stage_ms") or {}
-    stages = " / ".join(_f(st.get(k)) for k in ("queue", "dispatch", "wait", "combine")) if st else "-"
+    stages = " / ".join(_f(st.get(k)) for k in ("queue", "dispatch", "wait", "combine", "no_token")) if st else "-"
     return (f"| {first_col} | {knee_txt} | {p['mark']}{a['tokens_per_s']:.0f}{spread} | {_f(a['tpot_mean_ms'])} | "
             f"{p99} | {_f(a['ttft_p99_ms'], '{:.1f}')} | {_f(a.get('passes_per_round'))} | {stages} | {busiest} |")
 
 
 HEAD = ("| {col} | knee req/s | tokens/s at the knee | latency mean ms | latency p99 ms | TTFT p99 ms "
-        "| passes per round | stage ms queue / dispatch / wait / combine | busiest expert vs mean |")
+        "| passes per round | stage ms queue / dispatch / wait / combine / no-token | busiest expert vs mean |")
 SEP = "|---|---|---|---|---|---|---|---|---|"
 
 
@@ -210,6 +211,7 @@ def markdown(args, prov: dict, points: list[dict]) -> str:
              f"{m['local_workers']} local workers ({m['replicas']} cop{'y' if m['replicas'] == 1 else 'ies'} of each "
              f"expert), {m['n_experts']} experts top-{m['top_k']}, d_model {m['d_model']}, d_ff {m['d_ff']}, "
              f"batching {m['batching']}, balancing {m['balancing']}, {m['max_inflight_rounds']} rounds in flight, "
+             f"chunk rows {m.get('chunk_rows', 'auto')}, "
              f"max wait {m['max_wait_ms']:g} ms, overflow {m['overflow']}"
              + (f", noisy top-k (std {m['noise_std']:g})" if m["noisy"] else "")
              + (f", gate bias {m['gate_bias']}" if m["gate_bias"] else "")
@@ -222,6 +224,8 @@ def markdown(args, prov: dict, points: list[dict]) -> str:
              "- latency: TPOT, the time of one decode step (one 1-token pass through the gateway and its workers), "
              "at the knee step; tokens/s counts rows through the MoE layer; `>=` marks a top step when no step "
              "saturated (a lower bound), `<` a first step that already had; `*` a p99 from fewer than 100 samples",
+             "- no-token: per round, the busiest worker's time with no token to compute (its own receive and "
+             "reply clocks), what pipelined rounds (--chunk-rows) could hide",
              "- passes per round: forward passes (requests to the gateway) per dispatch round; busiest expert: its "
              "rows over the mean expert's, from the gateway's own counters (the routing it really did)",
              (f"- every point measured {m['repeat']} times, interleaved (A B A B ...): knees of each repeat, "

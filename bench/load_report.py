@@ -191,15 +191,15 @@ def markdown(runs: list[dict], ratios: list[dict], targets: list[dict], models: 
     if marks:
         lines += ["", footnote({PCT_LABEL[k].lower(): PCT_VALUE[k] for k in PCTS if k in marks})]
     lines += ["", "| system | CPU cores per process (last step) | per-round stage ms (route / dispatch / compute / "
-              "wait / combine) | dropped |", "|---|---|---|---|"]
+              "wait / combine / busiest worker with no token) | dropped |", "|---|---|---|---|"]
     for run in runs:
         if not run["records"]:
             continue
         r = run["records"][-1]
         cpu = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r.get("cpu_cores", {}).items())) or "-"
         st = r.get("stage_ms") or {}
-        stages = " / ".join(f"{st.get(k, 0):.2f}" for k in ("route", "dispatch", "compute", "wait", "combine")) \
-            if st else "-"
+        stages = " / ".join(f"{st.get(k, 0):.2f}" for k in ("route", "dispatch", "compute", "wait", "combine",
+                                                             "no_token")) if st else "-"
         lines.append(f"| {_name(run)} | {cpu} | {stages} | {r.get('dropped', '-')} |")
     if ratios:
         lines += ["", "| ours | peer | at req/s | tokens/s ratio (higher is better) | p99 TPOT lower by "

@@ -62,7 +62,8 @@ class GatewayStats:
     clients_open: int = 0
     errors: dict = field(default_factory=dict)
     stage_seconds: dict = field(default_factory=lambda: {k: 0.0 for k in (
-        "queue", "route", "dispatch", "compute", "wait", "combine", "total")})
+        "queue", "route", "dispatch", "compute", "wait", "combine", "total", "no_token")})
+    messages: int = 0  # messages to workers (more than a round's workers when parts go in chunks)
 
     def error(self, code: str) -> None:
         self.errors[code] = self.errors.get(code, 0) + 1
@@ -81,12 +82,16 @@ class GatewayStats:
         s["wait"] += st.wait_s
         s["combine"] += st.combine_s
         s["total"] += st.total_s
+        # the busiest worker's time in the round with no token to compute (its own clocks):
+        # what pipelined rounds could hide
+        s["no_token"] += max(0.0, st.total_s - st.busiest_s) if st.busiest_s else 0.0
+        self.messages += st.messages
 
     def as_dict(self) -> dict:
         return {"requests": self.requests, "replies": self.replies, "tokens": self.tokens,
                 "rounds": self.rounds, "retried": self.retried, "failed_requests": self.failed_requests,
                 "max_round_requests": self.max_round_requests, "dropped": self.dropped,
-                "overflow": self.overflow,
+                "overflow": self.overflow, "messages": self.messages,
                 "clients_accepted": self.clients_accepted, "clients_open": self.clients_open,
                 "errors": dict(self.errors), "stage_seconds": dict(self.stage_seconds)}
 

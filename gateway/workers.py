@@ -146,6 +146,7 @@ class WorkerLink:
     next_attempt: float = 0.0
     backoff: float = 0.0
     connecting: bool = False
+    control_queue: list = field(default_factory=list)  # control headers waiting for a busy connection
 
     @property
     def usable(self) -> bool:
@@ -394,6 +395,7 @@ class WorkerSet:
         w.failures += 1
         w.state, w.why = Health.LOST, why
         w.ping_sent = None
+        w.control_queue = []  # control messages for the connection that went (their owners time out)
         w.backoff = RECONNECT_BACKOFF[0]
         w.next_attempt = time.monotonic() + w.backoff
         log.warning("worker %s lost: %s", w.url, why)
@@ -415,6 +417,11 @@ class WorkerSet:
                     b.release()
             return False
         if not ready and not w.conn.send_ready():
+            if not buffers and w.outstanding_rows > 0:
+                # a control message to a connection busy with our rows (a chunk still going
+                # out, every slot on the way): it waits its turn, sent by tick()
+                w.control_queue.append(header)
+                return True
             for b in buffers:
                 if hasattr(b, "pool"):
                     b.release()
@@ -456,19 +463,37 @@ class WorkerSet:
                 except TransportError as e:
                     self.lost(w, f"send failed: {e}")
                     continue
+            if w.control_queue and w.conn is not None:
+                while w.control_queue and w.conn is not None and (w.conn.send_ready() or w.outstanding_rows <= 0):
+                    self.send(w, w.control_queue.pop(0))  # (not ready with nothing of ours out: it reports it)
+                if w.control_queue:
+                    nxt = min(nxt, now + 0.005)
             if w.conn is not None:
                 if w.ping_sent is not None and now - w.ping_sent > self.heartbeat_timeout:
                     self.mark_unhealthy(w, f"no answer to a ping for {now - w.ping_sent:.1f} s")
                     w.ping_sent = now  # ping again, and report again, a timeout later
-                    self.send(w, P.request(P.PING, -1))
+                    if self._may_ping(w):
+                        self.send(w, P.request(P.PING, -1))
                 elif w.ping_sent is None and now - w.last_heard >= self.heartbeat:
-                    w.ping_sent = now
-                    self.send(w, P.request(P.PING, -1))
+                    if self._may_ping(w):
+                        w.ping_sent = now
+                        self.send(w, P.request(P.PING, -1))
+                    else:
+                        nxt = min(nxt, now + 0.05)
             elif not w.connecting and now >= w.next_attempt and not self._closed:
                 self._reconnect(w)
             elif not w.connecting:
                 nxt = min(nxt, w.next_attempt)
         return nxt
+
+    @staticmethod
+    def _may_ping(w: WorkerLink) -> bool:
+        """A connection that cannot take a message while messages of ours are unanswered
+        there is busy with them (a chunk still going out, every slot on the way), not
+        failing: the ping waits (their replies are news enough; a round's deadline still
+        catches a worker that never answers). With nothing of ours out, a connection that
+        is not ready is a worker holding every credit: the ping's send reports it."""
+        return w.outstanding_rows <= 0 or w.conn.send_ready()
 
     def _reconnect(self, w: WorkerLink) -> None:
         """One attempt in a thread; the outcome is posted to the loop."""

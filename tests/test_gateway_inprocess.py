@@ -81,11 +81,20 @@ def test_more_chunks_than_credits_all_arrive():
     them all would hold every credit the worker has for its replies, and never finish)."""
     s = _stack([[0, 1], [2, 3]], chunk_rows=1, nslots=2)
     try:
+        # heartbeats fall due while every slot is on the way: a busy connection is not a
+        # failing one (the ping waits; it used to mark the worker unhealthy)
+        s.pool.workers.heartbeat = 0.01
+        for w in s.workers:
+            w.delay = 0.003
         with GatewayClient(s.server.url, timeout=5) as c:
             ids = [c.submit(tokens(20 + seed, seed)) for seed in range(3)]
             for seed, i in enumerate(ids):
                 x = tokens(20 + seed, seed)
                 np.testing.assert_allclose(c.result(i), s.expected(x), rtol=1e-5, atol=1e-6)
+            g = c.ping()["gateway"]
+        rows = 2 * sum(20 + seed for seed in range(3))
+        assert g["messages"] >= rows  # the gateway counts what it sent: a message a row
+        assert 0 <= g["stage_seconds"]["no_token"] <= g["stage_seconds"]["total"]
         st = s.pool.stats()
         assert all(w["healthy"] for w in st)  # waiting for credits is not a failure
         assert sum(w["batches_sent"] for w in st) >= 2 * sum(20 + seed for seed in range(3))  # a message a row

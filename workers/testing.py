@@ -137,6 +137,7 @@ class FakeWorker:
             return
         shape = (batch.rows, self.d_model)
         x = msg.array(0, self.dtype, shape)
+        t_in = time.perf_counter()
 
         def fill(view: memoryview) -> dict:
             y = np.frombuffer(view, dtype=self.dtype, count=batch.rows * self.d_model).reshape(shape)
@@ -148,7 +149,8 @@ class FakeWorker:
                     versions.append([e, v])
             self.rows += batch.rows
             msg.release()
-            reply = P.result_reply(rid, shape, self.dtype, compute_s=0.0, experts=[], cpu_s=0.0)
+            reply = P.result_reply(rid, shape, self.dtype, compute_s=0.0, experts=[], cpu_s=0.0, t_in=t_in,
+                                   t_out=time.perf_counter())
             if versions:
                 reply["versions"] = sorted(versions)
             return reply
