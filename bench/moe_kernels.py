@@ -229,7 +229,11 @@ def run(args: argparse.Namespace) -> int:
     name_np, name_ours = "moe-transport/numpy-fp32", f"moe-transport/{compute}-{wire}"
     systems[name_np] = TransportSystem("shm", router, W, d, dff, seed, max(sizes))
     systems[name_ours] = TransportSystem("shm", router, W, d, dff, seed, max(sizes), dtype=wire,
-                                         extra=("--compute", compute))
+                                         extra=("--compute", compute), chunk_rows=0)
+    chunk_rows = getattr(args, "chunk_rows", "auto")
+    if chunk_rows != "off":  # the same kernel and wire, its parts in chunks (pipelined rounds)
+        systems[name_ours + "+chunks"] = TransportSystem("shm", router, W, d, dff, seed, max(sizes), dtype=wire,
+                                                         extra=("--compute", compute), chunk_rows=chunk_rows)
     direct = _kernels(range(E), d, dff, seed, compute, wire, max_rows, 1)  # this process: one thread
     results: dict = {}
     try:
@@ -260,12 +264,12 @@ def _measure(B, args, router, owner, systems, layers, direct, name_np, name_ours
     # system routes every token alike: a near tie decided differently would move a token
     # to another expert, which is neither a speed nor a precision difference
     xs32 = [bf16.to_float32(x) if bf16.is_bf16(x.dtype) else x for x in xw]
-    inputs = {"multiprocessing": xw, name_np: xs32, name_ours: xw}
+    inputs = {"multiprocessing": xw, name_np: xs32, name_ours: xw, name_ours + "+chunks": xw}
     W = max(owner) + 1
     # every system computes the same layer (bf16 within bf16 tolerance of the float32 one)
     with threadpool_limits(1):
         want = systems[name_np].forward(xs32[0])
-        for name in ("multiprocessing", name_ours):
+        for name in [n for n in systems if n != name_np]:
             got = systems[name].forward(inputs[name][0])
             got = bf16.to_float32(got) if bf16.is_bf16(got.dtype) else got
             err = float(np.abs(got - want).max() / np.abs(want).max())
@@ -383,6 +387,10 @@ def _report(results, args, config, compute, wire, cdt, bf16_units, name_np, name
                             "met": bool(got >= bound if at_least else got < bound), "percent": not at_least})
         out["batches"][str(B)] = {"tokens_per_s": tps, "p50_ms": p50, "workers": workers, "stage_ms": med,
                                   "gateway_share": share, "ceiling_tokens_per_s": ceiling}
+        if name_ours + "+chunks" in tps:
+            g = tps[name_ours + "+chunks"] / ours
+            out["batches"][str(B)]["chunked_vs_whole"] = g
+            print(f"{B}: chunked rounds {g:.2f}x the tokens/s of whole parts (same kernel, same run)")
     print("\ntargets (issue 12):")
     for t in targets:
         v = f"{100 * t['value']:.1f}%" if t["percent"] else f"{t['value']:.2f}x"

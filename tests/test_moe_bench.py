@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.torch_extra import require_torch_extra
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,3 +35,19 @@ def test_moe_bench_sets_chunked_rounds_beside_whole_parts(tmp_path):
     g = data["ratios"]["shm"]["chunks"]
     assert g["bound"] >= 1 and g["gain"] > 0 and g["messages"] == chunked["stage_ms"]["messages"]
     assert "chunked rounds" in p.stdout and "of the possible gain" in p.stdout
+
+
+def test_kernel_bench_runs_bf16_chunked_rounds_beside_whole_parts(tmp_path):
+    """`moe-bench moe --compute torch --dtype bfloat16`: the torch kernel behind bf16 on the
+    wire, parts whole and in chunks (summed in float32 as they land, rounded once), every
+    system checked against the numpy fp32 layer before timing."""
+    require_torch_extra()  # skips only where the extra is not meant to be installed
+    out = tmp_path / "kernels.json"
+    cmd = [sys.executable, "-m", "bench.cli", "moe", "--compute", "torch", "--dtype", "bfloat16", "--quick",
+           "--rounds", "1", "--batches", "2", "--d-model", "64", "--d-ff", "128", "--batch", "48",
+           "--chunk-rows", "16", "--json", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    b = json.loads(out.read_text())["batches"]["48"]
+    assert {"moe-transport/torch-bfloat16", "moe-transport/torch-bfloat16+chunks"} <= set(b["tokens_per_s"])
+    assert b["chunked_vs_whole"] > 0 and "chunked rounds" in p.stdout
