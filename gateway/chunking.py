@@ -168,14 +168,22 @@ class ChunkMode:
     """Whether auto chunks at all: decided from what rounds cost, measured, not modelled.
     The size model (:func:`choose_chunk_rows`) cannot see everything chunks cost, e.g.
     three busy processes on two cores, where the gateway's work on replies as they land
-    takes a core from a computing worker. So rounds alone in flight are timed per row, whole
-    and chunked: after WARMUP whole rounds, PROBES go chunked; then the way whose median of
-    the last SAMPLES is cheaper by MODE_MARGIN is taken (a median: one slow round on a
-    shared machine must not flip it), the other tried again one round in PROBE_EVERY."""
+    takes a core from a computing worker. So it is asked once per round the size model
+    would chunk (only those: a round too small to chunk costs more per row, and counting it
+    on the whole side would flatter chunks), and those of them alone in flight are timed per
+    row, whole and chunked. After WARMUP whole rounds, every other measurable round (none
+    other in flight when it goes) goes chunked until PROBES are measured; then the way whose
+    median of the last SAMPLES is cheaper by MODE_MARGIN is taken (a median: one slow round
+    on a shared machine must not flip it), the other tried again one measurable round in
+    PROBE_EVERY. Until both ways are measured a round that cannot be measured goes whole:
+    under load few rounds are alone, and probing with rounds nobody can time would chunk
+    half of them blind."""
 
     def __init__(self) -> None:
         self.samples: dict = {False: deque(maxlen=SAMPLES), True: deque(maxlen=SAMPLES)}  # chunked? -> s/row
-        self.rounds = 0
+        self.rounds = 0  # rounds measured
+        self.asked = 0  # rounds asked about
+        self._probe_turn = 0  # measurable rounds asked about
 
     def record(self, chunked: bool, seconds: float, rows: int) -> None:
         if rows > 0 and seconds >= 0:
@@ -186,10 +194,23 @@ class ChunkMode:
         got = sorted(self.samples[chunked])
         return got[len(got) // 2] if got else None
 
-    def want_chunks(self) -> bool:
+    def want_chunks(self, measurable: bool = True) -> bool:
+        """For one round the size model would chunk: chunk it? ``measurable``: no other
+        round is in flight as it goes (so it can be timed alone)."""
+        self.asked += 1
         if len(self.samples[False]) < WARMUP:
             return False
-        if len(self.samples[True]) < PROBES:
-            return True
-        better = self.per_row(True) < self.per_row(False) * (1 - MODE_MARGIN)
-        return (not better) if self.rounds % PROBE_EVERY == 0 else better
+        probing = len(self.samples[True]) < PROBES
+        better = not probing and self.per_row(True) < self.per_row(False) * (1 - MODE_MARGIN)
+        if not measurable:
+            return better
+        self._probe_turn += 1
+        if probing:
+            return self._probe_turn % 2 == 0
+        return better != (self._probe_turn % PROBE_EVERY == 0)
+
+    def snapshot(self) -> dict:
+        """What the choice stands on: rounds asked about and measured, and the medians per
+        row (seconds), whole and chunked (a gateway's config shows it)."""
+        return {"asked": self.asked, "measured": self.rounds,
+                "whole_s_per_row": self.per_row(False), "chunked_s_per_row": self.per_row(True)}

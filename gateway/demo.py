@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from transport.service.launch import blas_env, spawn_service, stop_process
+from gateway.chunking import chunk_rows_flag
 
 FULL = dict(d_model=1024, d_ff=2048, batch_min=256, batch_max=256)
 
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the gateway's batching wait, ms (moe-gateway --max-wait-ms)")
     p.add_argument("--max-batch-tokens", type=int, default=None,
                    help="the gateway's tokens per round (default: concurrency x batch-max)")
+    p.add_argument("--chunk-rows", type=chunk_rows_flag, default="auto", metavar="auto|off|ROWS",
+                   help="the gateway's pipelined rounds (moe-gateway --chunk-rows)")
     p.add_argument("--seed", type=int, default=0, help="router, weights and request sizes")
     return p
 
@@ -95,7 +98,8 @@ def run(args) -> int:
             "--local-workers", str(args.local_workers), "--backend", args.backend,
             "--n-experts", str(args.n_experts), "--top-k", str(args.top_k),
             "--d-model", str(args.d_model), "--d-ff", str(args.d_ff), "--seed", str(args.seed),
-            "--max-batch-tokens", str(max_batch), "--max-wait-ms", str(args.max_wait_ms)]
+            "--max-batch-tokens", str(max_batch), "--max-wait-ms", str(args.max_wait_ms),
+            "--chunk-rows", args.chunk_rows]
     print(f"moe-transport demo: backend={args.backend}  {args.local_workers} workers, {args.n_experts} experts, "
           f"top-{args.top_k}, d_model={args.d_model}, d_ff={args.d_ff}, batches of "
           f"{args.batch_min}-{args.batch_max} tokens, {args.concurrency} clients for {args.duration:.0f} s")
@@ -156,7 +160,9 @@ def _report(latencies: list, counts: list, elapsed: float, before: dict, after: 
     if rounds:
         stages = {k: (after["stage_seconds"][k] - before["stage_seconds"][k]) / rounds * 1000.0
                   for k in after["stage_seconds"]}
-        print(f"gateway: {rounds} rounds for {reqs} requests ({reqs / rounds:.2f} requests/round); "
+        msgs = after.get("messages", 0) - before.get("messages", 0)
+        print(f"gateway: {rounds} rounds for {reqs} requests ({reqs / rounds:.2f} requests/round, "
+              f"{msgs / rounds:.2f} messages/round); "
               "mean per round ms: " + "  ".join(f"{k} {v:.2f}" for k, v in stages.items()))
 
 

@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from gateway.chunking import MIN_CHUNK, ChunkMode, ChunkSetting, choose_chunk_rows, chunk_groups, parse_chunk_rows
+from gateway.chunking import ChunkMode, ChunkSetting, choose_chunk_rows, chunk_groups, parse_chunk_rows
 from gateway.dispatch import DispatchPlan, split_over_replicas
 from gateway.replicas import BALANCING, choose_least_loaded, choose_replicas
 from gateway.router import Routing
@@ -179,6 +179,7 @@ class Round:
         self.msg_ids: list = []  # (worker, message id) of its chunks (the book maps them back)
         self.outstanding: set = set()  # workers whose part has not been answered (nor failed)
         self.alone = True  # no other round was out during its life (its idle times are its own)
+        self.eligible = False  # auto, and the size model would chunk it (ChunkMode measures these)
         self.users: dict = {}  # worker -> requests of this round still using its reply
         self.stats = BatchStats(requests=len(requests))
         self._t0 = time.perf_counter()
@@ -411,8 +412,6 @@ class RoundBook:
                                                   assign[at:at + T], n_workers, n_experts=n_experts)
             at += T
             r.bases, r.waiting = {}, set()
-        auto = self.chunk_rows == "auto"
-        may_chunk = not auto or self.chunk_mode.want_chunks()
         for w in range(n_workers):
             base = 0
             for r in reqs:
@@ -422,12 +421,16 @@ class RoundBook:
                     base += n
             if base:
                 rnd.rows[w] = base
-                rnd.chunk[w] = choose_chunk_rows(base, self.chunk_rows, self.workers[w].chunk_costs) \
-                    if may_chunk else base
-                users = [r for r in reqs if w in r.bases]
-                rnd.users[w] = len(users)
-                for r in users:
-                    r.waiting.update((w, c) for c in rnd.chunks_of(r, w))
+                rnd.chunk[w] = choose_chunk_rows(base, self.chunk_rows, self.workers[w].chunk_costs)
+        # auto: the size model would chunk this round; measured costs say whether to
+        rnd.eligible = self.chunk_rows == "auto" and rnd.chunked
+        if rnd.eligible and not self.chunk_mode.want_chunks(measurable=rnd.alone):
+            rnd.chunk = dict(rnd.rows)
+        for w in rnd.rows:
+            users = [r for r in reqs if w in r.bases]
+            rnd.users[w] = len(users)
+            for r in users:
+                r.waiting.update((w, c) for c in rnd.chunks_of(r, w))
         chunked = rnd.chunked
         for r in reqs:
             r.acc = r.plan.accumulator(self.d_model) if chunked and r.waiting else None
@@ -683,9 +686,8 @@ class RoundBook:
                 for wi, busy in rnd.busy.items():  # what chunks could have hidden: its time with no token
                     if rnd.chunk[wi] >= rnd.rows[wi]:
                         self.workers[wi].chunk_costs.record_idle(max(0.0, rnd.stats.total_s - busy))
-                # rounds big enough to chunk, timed per row, whole and chunked
-                if not rnd.outstanding and max(rnd.rows.values()) >= 2 * MIN_CHUNK and not any(
-                        r.error is not None for r in rnd.requests):
+                # rounds the size model would chunk, timed per row, whole and chunked
+                if rnd.eligible and not any(r.error is not None for r in rnd.requests):
                     self.chunk_mode.record(rnd.chunked, rnd.stats.total_s, sum(rnd.rows.values()))
             for key in rnd.msg_ids:  # a late reply to one of them is now unknown: released
                 self._msgs.pop(key, None)
