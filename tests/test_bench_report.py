@@ -247,7 +247,10 @@ def test_interrupted_run_keeps_what_it_measured(tmp_path):
     out = tmp_path / "t.json"
     p = subprocess.Popen(_cmd("--backend", "tcp", "--no-peers", "--sizes", "64,1K,4K,16K,64K,256K,1M",
                               "--iters", "4000", "--stream-count", "2000", "--json", str(out)),
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         # a suite started in the background by a non-interactive shell inherits
+                         # SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         first = None
