@@ -277,8 +277,9 @@ class PeerProcess:
         return self._err.read().decode(errors="replace")[-4000:]
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
+        # send_signal, not os.kill: a check's thread may be reaping the peer at this moment
+        # (poll() then says "running" without looking), and a reaped pid is gone (ESRCH)
+        self.proc.send_signal(sig)
         try:
             self.proc.wait(10)
         finally:
