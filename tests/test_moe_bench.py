@@ -37,6 +37,22 @@ def test_moe_bench_sets_chunked_rounds_beside_whole_parts(tmp_path):
     assert "chunked rounds" in p.stdout and "of the possible gain" in p.stdout
 
 
+def test_moe_bench_on_a_machine_with_no_secret_yet(tmp_path):
+    """A fresh machine has no per-user secret: the workers make one and require it, so the
+    benchmark's own pool must use that same one (it went without and was refused)."""
+    env = {k: v for k, v in os.environ.items() if k != "MOE_SECRET_FILE"}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "config")
+    cmd = [sys.executable, "-m", "bench.cli", "moe", "--quick", "--rounds", "1", "--batches", "1", "--backend", "tcp",
+           "--d-model", "32", "--d-ff", "64", "--batch", "16", "--chunk-rows", "off",
+           "--json", str(tmp_path / "moe.json")]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    secret = tmp_path / "config" / "moe-transport" / "secret"
+    assert secret.exists() and secret.stat().st_mode & 0o077 == 0
+    results = json.loads((tmp_path / "moe.json").read_text())["results"]
+    assert any(r["system"] == "moe-transport" and r["backend"] == "tcp" for r in results)
+
+
 def test_kernel_bench_runs_bf16_chunked_rounds_beside_whole_parts(tmp_path):
     """`moe-bench moe --compute torch --dtype bfloat16`: the torch kernel behind bf16 on the
     wire, parts whole and in chunks (summed in float32 as they land, rounded once), every
@@ -51,3 +67,26 @@ def test_kernel_bench_runs_bf16_chunked_rounds_beside_whole_parts(tmp_path):
     b = json.loads(out.read_text())["batches"]["48"]
     assert {"moe-transport/torch-bfloat16", "moe-transport/torch-bfloat16+chunks"} <= set(b["tokens_per_s"])
     assert b["chunked_vs_whole"] > 0 and "chunked rounds" in p.stdout
+
+
+def test_a_start_that_fails_leaves_no_worker_running(monkeypatch):
+    """When the pool cannot be made (a refused handshake, a dead worker), the workers the
+    benchmark had spawned are stopped: orphans held the caller's stdout open, and a test
+    reading it waited for its whole timeout."""
+    import gateway.pool
+    from bench.moe_bench import TransportSystem
+    from gateway.reference import ReferenceMoE
+
+    started = []
+
+    def refused(self, urls, *a, **kw):
+        started.extend(system.procs)
+        assert len(urls) == 2  # both workers are up when the pool connects
+        raise ConnectionRefusedError("refused by the test")
+
+    monkeypatch.setattr(gateway.pool.WorkerPool, "__init__", refused)
+    system = TransportSystem.__new__(TransportSystem)
+    with pytest.raises(ConnectionRefusedError):
+        TransportSystem.__init__(system, "tcp", ReferenceMoE.from_seed(16, 32, 4, 2, seed=0).router, 2, 16, 32, 0, 8)
+    assert len(started) == 2
+    assert all(p.poll() is not None for p in started)
