@@ -81,12 +81,24 @@ def create_default() -> tuple[bytes, str]:
     path = default_path()
     directory = os.path.dirname(path)
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
+    if os.path.exists(path):
         return read(path), path
-    with os.fdopen(fd, "wb") as f:
-        f.write(secrets.token_hex(SECRET_BYTES).encode() + b"\n")
+    # written whole under a private name, then linked into place: a process starting beside
+    # us (two workers on a fresh machine) finds no file or a full one, never an empty one,
+    # and link() fails if another got there first, whose secret we then take
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_hex(SECRET_BYTES).encode() + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return read(path), path
+    finally:
+        os.unlink(tmp)
     log.info("created a shared secret in %s (mode 0600)", path)
     return read(path), path
 
