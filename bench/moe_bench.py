@@ -254,9 +254,9 @@ def run(args: argparse.Namespace) -> int:
     ceiling = 2 * by[("reference-1t", "inproc")]["tokens_per_s"]
     mpr = by[("multiprocessing", "pipe")]["tokens_per_s"]
     ratios = {}
-    print(f"\n{'system':<16} {'backend':<8} {'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"\n{'system':<21} {'backend':<8} {'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for r in results:
-        print(f"{r['system']:<16} {r['backend']:<8} {r['tokens_per_s']:9.0f} {r['p50_ms']:8.1f} {r['p99_ms']:8.1f}")
+        print(f"{r['system']:<21} {r['backend']:<8} {r['tokens_per_s']:9.0f} {r['p50_ms']:8.1f} {r['p99_ms']:8.1f}")
     print(f"\n2-core ceiling (2 x reference-1t): {ceiling:.0f} tokens/s")
     for b in backends:
         r = by[("moe-transport", b)]

@@ -127,6 +127,7 @@ class RdmaConnection(Connection):
         self._sq_used = 0
         self._unsig = 0  # records posted since the last signaled one
         self._wr_seq = 0
+        self.inline_sends = 0  # messages whose bytes went in the work request (tests read it)
         # receiver state
         self._owed_credits = 0
         self._owed_slots: list = []
@@ -216,6 +217,7 @@ class RdmaConnection(Connection):
         v = self._verbs
         self._wr, self._sge = v.send_wr()
         self._qp = v.qp
+        self._max_inline = v.max_inline
         self._recv_cq, self._send_cq = v.recv_cq, v.send_cq
         self._recv_poll = select.poll()
         self._recv_poll.register(v.recv_fd, select.POLLIN)
@@ -436,6 +438,8 @@ class RdmaConnection(Connection):
         signaled = self._unsig + 1 >= self._sig_every or self.send_pool.available <= self._sig_every
         self._unsig = 0 if signaled else self._unsig + 1
         last = len(sges) - 1
+        # one small SEND goes inline: its bytes are in the work request once posted
+        inline = self._max_inline and not last and opcode != E.IBV_WR_RDMA_WRITE and sges[0][1] <= self._max_inline
         roff = 0
         try:
             for i, (addr, length, lkey) in enumerate(sges):
@@ -448,7 +452,7 @@ class RdmaConnection(Connection):
                     wr.send_flags = 0
                 else:
                     wr.opcode = opcode
-                    wr.send_flags = E.IBV_SEND_SIGNALED if signaled else 0
+                    wr.send_flags = (E.IBV_SEND_SIGNALED if signaled else 0) | (E.IBV_SEND_INLINE if inline else 0)
                     wr.imm_data = imm
                 if raddr is not None:
                     wr.set_wr_rdma(self._rkey, raddr + roff)
@@ -458,6 +462,13 @@ class RdmaConnection(Connection):
             self._fail(f"posting a send failed: {exc}")  # the caller frees the slots
             raise self._closed_error() from None
         self._sq_used += len(sges)
+        if inline:  # the slots were read when posted: they are ours again
+            for s in slots:
+                s.release()
+            if hdr is not None:
+                hdr.release()
+            slots, hdr = (), None
+            self.inline_sends += 1
         self._inflight.append([wid, len(sges), slots, hdr])
 
     def _fence(self) -> None:

@@ -62,6 +62,9 @@ RETRY_CNT = 6
 # Credits make "receiver not ready" impossible; a few retries absorb nothing but a bug,
 # which then surfaces as a QP error (ConnectionClosed) instead of a silent stall.
 RNR_RETRY = 3
+# Inline sends: the data is copied into the work request when it is posted, so a small
+# message's slot is free again at once and the device reads no registered memory for it
+INLINE_SIZES = (256, 128, 64, 0)
 MIN_RNR_TIMER = 12  # 0.64 ms
 
 
@@ -138,17 +141,30 @@ class Verbs:
             LIVE["cq"] += 1
             self.send_cq = CQ(self.ctx, sq_depth, None, self.send_cc, 0)
             LIVE["cq"] += 1
-            cap = QPCap(max_send_wr=sq_depth, max_recv_wr=nrecv, max_send_sge=1, max_recv_sge=1)
-            # sq_sig_all=0: the sender signals only some WRs (a completion costs a WC object)
-            init = QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.send_cq, rcq=self.recv_cq, cap=cap,
-                              sq_sig_all=0)
-            self.qp = QP(self.pd, init)
+            self.qp, self.max_inline = self._create_qp(sq_depth, nrecv)
             LIVE["qp"] += 1
             self.sq_depth = sq_depth
             self.nrecv = nrecv
             self.qpn = self.qp.qp_num
         except PyverbsError as exc:
             raise TransportError(f"rdma set-up on {choice.device} failed: {exc}") from None
+
+    def _create_qp(self, sq_depth: int, nrecv: int):
+        """An RC QP sending inline as large a message as the device takes of INLINE_SIZES
+        (there is no verb that says: creation fails above its limit, so the sizes are tried
+        largest first); (qp, max_inline)."""
+        for inline in INLINE_SIZES:
+            cap = QPCap(max_send_wr=sq_depth, max_recv_wr=nrecv, max_send_sge=1, max_recv_sge=1,
+                        max_inline_data=inline)
+            # sq_sig_all=0: the sender signals only some WRs (a completion costs a WC object)
+            init = QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.send_cq, rcq=self.recv_cq, cap=cap,
+                              sq_sig_all=0)
+            try:
+                return QP(self.pd, init), inline
+            except PyverbsError:
+                if inline == 0:
+                    raise
+        raise AssertionError("unreachable: INLINE_SIZES ends with 0")
 
     def _channel(self):
         before = _event_fds()

@@ -184,14 +184,44 @@ def test_unsignaled_sends_are_reclaimed(make_pair):
     next alloc still gets one back (a signaled zero-byte WRITE fences them)."""
     c, s = make_pair(slot_size=4096, nslots=16)
     for seq in range(2):
-        send(c, seq, 100)
-    assert c._unsig > 0
+        send(c, seq, 1000)  # a SEND, too large to go inline: its slot waits for a completion
+    assert c._unsig > 0 and c.inline_sends == 0
     held = [c.alloc(10) for _ in range(c.send_pool.available)]
     slot = c.alloc(10, timeout=5)  # not a Timeout
     for x in held + [slot]:
         x.release()
     for seq in range(2):
-        expect(s, seq, 100)
+        expect(s, seq, 1000)
+
+
+def test_small_sends_go_inline_and_free_their_slot_at_once(make_pair):
+    """A message whose frame fits the QP's inline size is copied into the work request when
+    posted: its slot is back in the pool as send() returns, with no completion polled, and
+    the bytes arrive intact even though the slot is overwritten at once."""
+    c, s = make_pair(slot_size=4096, nslots=4)
+    assert c._max_inline >= 64  # rxe takes inline sends
+    full = c.send_pool.available
+    n = 3 * full  # three times the slots: each is reused right after posting
+    for seq in range(n):
+        slot = c.alloc(64, timeout=5)
+        slot.array("u1", 64)[:] = pattern(seq, 64)
+        c.send({"seq": seq}, [slot], timeout=5)
+        assert c.send_pool.available == full
+        # two in flight at a time: a receiver that is not waiting holds back up to one
+        # credit (returned in pairs), and this one thread plays both sides
+        if seq % 2:
+            expect(s, seq - 1, 64)
+            expect(s, seq, 64)
+    assert c.inline_sends == n
+    before = s.inline_sends  # the server's credit messages went inline too
+    for seq in range(2):
+        send(s, seq, 32)
+        expect(c, seq, 32)
+    assert s.inline_sends >= before + 2
+    k = c.inline_sends
+    send(c, 99, 2000)  # a frame above the inline size goes from its slot
+    expect(s, 99, 2000)
+    assert c.inline_sends == k
 
 
 def _peer(url, mode, **args):
