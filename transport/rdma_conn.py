@@ -7,7 +7,9 @@ msgpack header, then the payload at the next 64-byte boundary):
   never copied (unregistered buffers are copied into a slot once, and counted).
 - small: a frame that fits the peer's receive buffers (``small_size``) and has at most one
   payload segment goes by SEND into a pre-posted receive; the message's buffers are views
-  of that receive buffer, which is re-posted when the message is released.
+  of that receive buffer, which is re-posted when the message is released. A frame that
+  fits the QP's inline size (``Verbs.max_inline``) is copied into the work request as it
+  is posted, and its slot is free again at once.
 - large: RDMA WRITE WITH IMMEDIATE into a receive slot the peer advertised in the
   handshake (the immediate is the slot index); extra segments go first as plain WRITEs
   to the following offsets of the same slot. The frame lands at the slot's start, the
