@@ -98,47 +98,41 @@ class ReferenceChild:
 class TransportSystem:
     def __init__(self, backend: str, router, n_workers: int, d_model: int, d_ff: int, seed: int, batch: int,
                  dtype: str = "float32", extra: tuple = (), chunk_rows="auto"):
-        from transport.service import secrets
-        self.procs: list = []
-        self.urls: list[str] = []
-        self.pool = None
-        # one secret for the pool and its workers, found as the gateway finds it ($MOE_SECRET_FILE,
-        # else the per-user default, created if none yet): looking only for an existing file
-        # left the pool with none on a fresh machine while each worker made and required one
-        secret, secret_path = secrets.resolve(None, use_default=False)
-        if secret is None:
-            try:
-                secret, secret_path = secrets.create_default()
-            except OSError:  # no writable home: the workers cannot make one either
-                pass
-        if secret_path:
-            extra = (*extra, "--secret-file", secret_path)
-        # --exit-with-parent: a benchmark killed mid-run leaves no worker behind (holding our
-        # stdout, orphans kept a caller's pipe open after we died)
-        extra = (*extra, "--exit-with-parent")
-        try:
-            self._start(backend, router, n_workers, d_model, d_ff, seed, batch, dtype, extra, chunk_rows, secret)
-        except BaseException:
-            self._stop_workers()
-            raise
-        self.stages: list[dict] = []
-
-    def _start(self, backend, router, n_workers, d_model, d_ff, seed, batch, dtype, extra, chunk_rows, secret):
         from gateway.pool import WorkerPool
+        from transport.service import secrets
         from transport.service.launch import blas_env, spawn_service
         from workers.cli import worker_argv
         n_exp = router.n_experts
-        for w in range(n_workers):
-            listen = {"shm": f"shm://moe-bench-{uuid.uuid4().hex[:8]}", "tcp": "tcp://127.0.0.1:0",
-                      "rdma": f"rdma://{os.environ.get('MOE_RDMA_IP', '10.0.2.15')}:0"}[backend]
-            experts = [e for e in range(n_exp) if e * n_workers // n_exp == w]
-            proc, url = spawn_service(worker_argv(listen, experts, d_model=d_model, d_ff=d_ff, seed=seed,
-                                                  max_tokens=batch * router.top_k, dtype=dtype, extra=extra),
-                                      env=blas_env(1), timeout=60)
-            self.procs.append(proc)
-            self.urls.append(url)
-        self.pool = WorkerPool(self.urls, router, max_batch_tokens=batch, timeout=60, dtype=dtype, secret=secret,
-                               chunk_rows=chunk_rows)
+        self.procs: list = []
+        self.pool = None
+        self.stages: list[dict] = []
+        # one secret for the pool and its workers, found or made as the services do: looking
+        # only for an existing file left the pool with none on a fresh machine while each
+        # worker made and required one
+        try:
+            secret, secret_path = secrets.for_service()
+            extra = (*extra, "--secret-file", secret_path)
+        except OSError:  # no writable home: the workers cannot make one either
+            secret = None
+        # --exit-with-parent: a benchmark killed mid-run leaves no worker behind (holding our
+        # stdout, orphans kept a caller's pipe open after we died)
+        extra = (*extra, "--exit-with-parent")
+        urls = []
+        try:
+            for w in range(n_workers):
+                listen = {"shm": f"shm://moe-bench-{uuid.uuid4().hex[:8]}", "tcp": "tcp://127.0.0.1:0",
+                          "rdma": f"rdma://{os.environ.get('MOE_RDMA_IP', '10.0.2.15')}:0"}[backend]
+                experts = [e for e in range(n_exp) if e * n_workers // n_exp == w]
+                proc, url = spawn_service(worker_argv(listen, experts, d_model=d_model, d_ff=d_ff, seed=seed,
+                                                      max_tokens=batch * router.top_k, dtype=dtype, extra=extra),
+                                          env=blas_env(1), timeout=60)
+                self.procs.append(proc)
+                urls.append(url)
+            self.pool = WorkerPool(urls, router, max_batch_tokens=batch, timeout=60, dtype=dtype, secret=secret,
+                                   chunk_rows=chunk_rows)
+        except BaseException:  # the workers started so far go with the failed start
+            self._stop_workers()
+            raise
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         y, st = self.pool.forward(x)

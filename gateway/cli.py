@@ -257,9 +257,7 @@ def serve_main(args) -> int:
     try:
         # secure by default: without a secret the gateway makes one (0600) that local clients,
         # the update command and its local workers find
-        secret, secret_path = secrets.resolve(args.secret_file, use_default=False)
-        if secret is None:
-            secret, secret_path = secrets.create_default()
+        secret, secret_path = secrets.for_service(args.secret_file)
         options.check_exposure(args.listen, secret, args.insecure, "moe-gateway")
         urls = [u.strip() for u in args.workers.split(",") if u.strip()] if args.workers else None
         if urls and args.placement == "ray":

@@ -144,10 +144,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # as the gateway: without a secret, the per-user default one (created, 0600, if none
         # exists yet), so a gateway and workers one user starts on a host find the same secret
         # and authenticate each other; --insecure (a trusted network, other hosts) keeps none
-        secret, _ = secrets.resolve(args.secret_file, use_default=False)
-        if secret is None and not args.insecure:
+        secret = None
+        if args.insecure:
+            secret, _ = secrets.resolve(args.secret_file, use_default=False)
+        else:
             try:
-                secret, _ = secrets.create_default()
+                secret, _ = secrets.for_service(args.secret_file)
             except OSError as e:  # no writable home (a container): no secret, loopback only
                 log.warning("no shared secret: cannot create the per-user default (%s)", e)
         options.check_exposure(args.listen, secret, args.insecure, "moe-worker")

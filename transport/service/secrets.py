@@ -76,6 +76,16 @@ def for_client(secret, secret_file: Optional[str] = None) -> Optional[bytes]:
     return secret
 
 
+def for_service(secret_file: Optional[str] = None) -> tuple[bytes, str]:
+    """A service's secret: ``secret_file``, else $MOE_SECRET_FILE, else the per-user default,
+    created if none exists yet (so a gateway, its workers and its local clients share one).
+    OSError when there is none and the default cannot be made (no writable home)."""
+    secret, path = resolve(secret_file, use_default=False)
+    if secret is None:
+        return create_default()
+    return secret, path
+
+
 def create_default() -> tuple[bytes, str]:
     """The default file's secret, creating the file (0600, random) if there is none yet."""
     path = default_path()
