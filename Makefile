@@ -6,14 +6,15 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Debian packages: pyverbs/rdma-core (not on PyPI), and the real services the ops tests run
-APT_PKGS := python3-pyverbs rdma-core ibverbs-providers iproute2 docker-compose prometheus
+# gcc and python3-dev: setup.py compiles shm://'s fast path (transport/_shmfast.c)
+APT_PKGS := python3-pyverbs rdma-core ibverbs-providers iproute2 docker-compose prometheus gcc python3-dev
 BACKEND ?= shm
 TORCH_VERSION ?= 2.13.0
 OUT := build
 
-.PHONY: deps run test test-host test-rdma bench bench-micro bench-rdma bench-moe bench-load bench-ray compose-check k8s-check secret clean
+.PHONY: deps native run test test-host test-rdma bench bench-micro bench-rdma bench-moe bench-load bench-ray compose-check k8s-check secret clean
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg pyproject.toml setup.py
 	@missing=$$(for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then echo "apt: installing $$missing"; \
 	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $$missing; fi
@@ -27,29 +28,37 @@ $(STAMP): setup.cfg pyproject.toml
 	ln -sfn /usr/lib/python3/dist-packages/pyverbs "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/pyverbs"
 	touch $@
 
-deps: $(STAMP)
+deps: $(STAMP) native
 
-run: $(STAMP)
+# shm://'s compiled fast path: `pip install -e` builds it in place; this rebuilds it when
+# the C source changes (shm:// runs its Python path where it is not built)
+NATIVE := transport/_shmfast$(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+$(NATIVE): transport/_shmfast.c setup.py | $(STAMP)
+	$(PY) setup.py -q build_ext --inplace
+native: $(NATIVE)
+
+run: $(STAMP) native
 	$(PY) -m gateway.demo --backend $(BACKEND)
 
-test: $(STAMP)
+test: $(STAMP) native
 	@mkdir -p $(OUT)
 	@# rdma-marked tests need a device: they run in the rxe guest below (on the host they would only skip)
 	@# MOE_REQUIRE_TORCH=1: the transformers checks fail rather than skip if the extra is missing
-	MOE_REQUIRE_TORCH=1 $(PY) -m pytest -q -p no:cacheprovider -m "not rdma" --junitxml=$(OUT)/junit-host.xml tests
+	@# MOE_REQUIRE_NATIVE=1: shm://'s compiled fast path must have been built (its tests fail, not skip)
+	MOE_REQUIRE_TORCH=1 MOE_REQUIRE_NATIVE=1 $(PY) -m pytest -q -p no:cacheprovider -m "not rdma" --junitxml=$(OUT)/junit-host.xml tests
 	@# the guest has no torch: transformers' outputs and the checkpoints it checks come from here
 	$(PY) -m tests.models_fixture
 	$(PY) -m tests.rxe.vm test --out $(OUT)/rdma -- tests/rdma -q
 	$(PY) -m tests.summary $(OUT)/junit-host.xml $(OUT)/rdma/junit.xml
 
-test-host: $(STAMP)
-	MOE_REQUIRE_TORCH=1 $(PY) -m pytest -q -m "not rdma" tests
+test-host: $(STAMP) native
+	MOE_REQUIRE_TORCH=1 MOE_REQUIRE_NATIVE=1 $(PY) -m pytest -q -m "not rdma" tests
 
 test-rdma: $(STAMP)
 	$(PY) -m tests.models_fixture
 	$(PY) -m tests.rxe.vm test --out $(OUT)/rdma -- tests/rdma -q
 
-bench: $(STAMP)
+bench: $(STAMP) native
 	$(VENV)/bin/moe-bench transport --json bench-results/transport.json
 
 # rdma:// beside perftest (ib_send_lat, ib_send_bw, ib_write_bw) on the rxe device in the guest
@@ -60,11 +69,11 @@ bench-rdma: $(STAMP)
 	  --sizes $(RDMA_SIZES) --json /mnt/job/out/rdma.json
 	@echo "wrote bench-results/rdma.json"
 
-bench-moe: $(STAMP)
+bench-moe: $(STAMP) native
 	$(VENV)/bin/moe-bench moe --json bench-results/moe.json
 
 # the issue's load: full config, a ramp to saturation, ours beside the peers in one run
-bench-load: $(STAMP)
+bench-load: $(STAMP) native
 	$(VENV)/bin/moe-bench load --mode ramp --full --systems all --backend shm --rate 12 --ramp-start 1.5 \
 	  --ramp-steps 8 --step-duration 10 --concurrency 32 --warmup 2 --json bench-results/load-ramp.json \
 	  --plot bench-results/load-ramp.png --markdown bench-results/load-ramp.md
@@ -89,7 +98,7 @@ compose-check: $(STAMP) deploy/secret
 k8s-check: $(STAMP)
 	$(VENV)/bin/kubernetes-validate --strict $$(find deploy/k8s -name '*.yaml' | sort)
 
-bench-micro: $(STAMP)
+bench-micro: $(STAMP) native
 	$(PY) -m pytest -q -p no:cacheprovider bench/micro --benchmark-only --benchmark-columns=min,median,mean,ops
 
 clean:

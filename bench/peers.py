@@ -182,17 +182,24 @@ class MoeTransportPeer(Peer):
     impl = "moe-transport"
     label = "moe-transport"
 
-    def __init__(self, max_size: int, url: str, nslots: int = 8, slot_size: Optional[int] = None, **options: Any):
+    def __init__(self, max_size: int, url: str, nslots: int = 8, slot_size: Optional[int] = None,
+                 native: Optional[bool] = None, **options: Any):
         super().__init__(max_size, **options)
         self.url = url
         self.backend = url.split("://", 1)[0]
+        # shm only: native=False is the Python path of the fast record, a row of its own
+        # beside the compiled one (transport/_shmfast.c), so the gain is a ratio of one run
+        self._conn_opts = {} if self.backend != "shm" or native is None else {"native": native}
+        if native is False:
+            self.impl, self.label = "moe-transport-py", "moe-transport, Python"
         self.descriptor_moves_bytes = self.backend != "shm"  # shm passes the slot, never its bytes
         self.nslots = nslots
         self.slot_size = slot_size or self.max_size
 
     def serve_setup(self):
         import transport
-        self._listener = transport.listen(self.url, slot_size=self.slot_size, nslots=self.nslots, timeout=60)
+        self._listener = transport.listen(self.url, slot_size=self.slot_size, nslots=self.nslots, timeout=60,
+                                          **self._conn_opts)
         return self._listener.url
 
     def serve_connect(self, _):
@@ -231,7 +238,8 @@ class MoeTransportPeer(Peer):
 
         def connect():
             try:
-                box["c"] = transport.connect(url, slot_size=self.slot_size, nslots=self.nslots, timeout=60)
+                box["c"] = transport.connect(url, slot_size=self.slot_size, nslots=self.nslots, timeout=60,
+                                             **self._conn_opts)
             except BaseException as e:  # reported below, after the server's answer
                 box["e"] = e
         # the server accepts on its "connect" command: connect while it does

@@ -22,6 +22,10 @@ BACKENDS = {
                 shares_sender_memory=True, leak_dirs=("/dev/shm",)),
     "inproc": dict(url_factory=lambda: f"inproc://moe-test-{uuid.uuid4().hex[:12]}",
                    shares_sender_memory=True, capabilities=inproc.CAPABILITIES),
+    # shm's Python path for the fast record ("shm" takes the compiled one, transport/_shmfast.c,
+    # where it is built: `make test` requires that)
+    "shm-python": dict(url_factory=lambda: f"shm://moe-test-{uuid.uuid4().hex[:12]}", backend="shm",
+                       options={"native": False}, shares_sender_memory=True, leak_dirs=("/dev/shm",)),
     # shm with the fixed-width fast record turned off on both ends: the msgpack records an
     # older peer sends (and expects) keep passing the whole kit
     "shm-msgpack": dict(url_factory=lambda: f"shm://moe-test-{uuid.uuid4().hex[:12]}", backend="shm",

@@ -231,12 +231,13 @@ def test_fast_record_is_negotiated_and_old_peers_keep_msgpack(client_fast, serve
         c.close(), s.close(), lst.close()
 
 
+@pytest.mark.parametrize("native", [None, False])  # the compiled path (where built) declines, Python raises
 @pytest.mark.parametrize("slot,nbytes,user", [(4, 16, b""), (2**32 - 1, 0, b""), (0, (1 << 16) + 1, b""),
                                               (0, 16, b"\xc1"), (0, 16, b"\x80\x80")])
-def test_bad_fast_record_breaks_the_connection(slot, nbytes, user):
+def test_bad_fast_record_breaks_the_connection(slot, nbytes, user, native):
     """A fast record with a descriptor outside the slot pool, or a bad header: ProtocolError
     from recv, the connection BROKEN, the peer told."""
-    lst, c, s = _pair()
+    lst, c, s = _pair(native=native)
     try:
         assert s._fast
         raw.send_raw(c, framing.FAST_HEAD.pack(framing.TAG_FAST, slot, nbytes) + user)
@@ -260,10 +261,11 @@ def test_fast_record_without_negotiation_is_refused():
         c.close(), s.close(), lst.close()
 
 
-def test_fast_records_across_ring_wrap_around():
+@pytest.mark.parametrize("native", [None, False])
+def test_fast_records_across_ring_wrap_around(native):
     """Enough messages to wrap the record ring many times (padding at its end): the fast
     record takes the long way there, in order, nothing lost."""
-    lst, c, s = _pair()
+    lst, c, s = _pair(native=native)
     try:
         user = {"pad": "y" * 200}
         for i in range(3000):

@@ -36,7 +36,8 @@ SERVER = textwrap.dedent("""
     from transport.errors import Timeout, TransportError
     from transport.poller import Poller
 
-    lst = transport.listen(sys.argv[1], slot_size=4096, nslots=4, timeout=5)
+    native = {"default": None, "python": False}[sys.argv[2]]
+    lst = transport.listen(sys.argv[1], slot_size=4096, nslots=4, timeout=5, native=native)
     poller = Poller()
     poller.register(lst, "listener")
 
@@ -45,7 +46,7 @@ SERVER = textwrap.dedent("""
             return 0
 
     poller.register(Stdin(), "stdin")
-    print("ready", flush=True)
+    print("ready", transport.shm.NATIVE_AVAILABLE and native is None, flush=True)
 
     def drop(conn, e):
         print("dropped", type(e).__name__, str(e)[:200].replace("\\n", " "), flush=True)
@@ -97,14 +98,15 @@ SERVER = textwrap.dedent("""
 
 
 class Server:
-    def __init__(self) -> None:
+    def __init__(self, mode: str) -> None:
         self.url = f"shm://moe-hostile-{uuid.uuid4().hex[:10]}"
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, self.url], cwd=ROOT, stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, self.url, mode], cwd=ROOT, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONPATH": ROOT})
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        assert self.line(20) == "ready", self.stderr()
+        native = mode == "default" and transport.shm.NATIVE_AVAILABLE
+        assert self.line(20) == f"ready {native}", self.stderr()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -144,9 +146,11 @@ class Server:
                 self.proc.wait(10)
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = Server()
+# the server's fast records through the compiled path (the default where it is built) and
+# through the Python one: a hostile peer gets the same treatment from both
+@pytest.fixture(scope="module", params=["default", "python"])
+def server(request):
+    s = Server(request.param)
     good = transport.connect(s.url, **OPTS)
     s.good = good
     yield s

@@ -317,6 +317,12 @@ MAX_FAST_RECORD = FAST_SIZE + MAX_FAST_USER
 TAG_FAST = struct.unpack("<I", PREFIX.pack(MAGIC, VERSION, FAST_DATA, 0, 0)[:4])[0]
 
 
+def unpack_fast_user(raw: bytes) -> Any:
+    """A fast record's user header bytes as parse_fast_record reads them (any exception:
+    undecodable); transport/_shmfast.c calls this so both paths decode alike."""
+    return _unpackb(raw, strict_map_key=False)
+
+
 def pack_fast_record(data, pos: int, user: bytes, slot: int, nbytes: int) -> int:
     """Write the fast record for packed user header ``user`` (b"" for {}) at ``data[pos]``;
     its length. The caller checked ``len(user) <= MAX_FAST_USER``."""
@@ -344,7 +350,7 @@ def parse_fast_record(data, p: int, n: int, slot_size: int, nslots: int) -> Opti
     if n == FAST_SIZE:
         return {}, s, k
     try:  # exactly one object: trailing bytes raise ExtraData
-        user = _unpackb(data[p + FAST_SIZE:p + n], strict_map_key=False)
+        user = unpack_fast_user(data[p + FAST_SIZE:p + n])
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"fast record: undecodable header: {e}") from None
     return user, s, k

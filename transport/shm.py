@@ -44,18 +44,27 @@ from . import framing
 from . import handshake as hs
 from .base import (BROKEN, DEFAULT_NSLOTS, DEFAULT_SLOT_SIZE, DEFAULT_TIMEOUT, OPEN, Connection,
                    ConnectionStats, Deadline, Listener, Message)
-from .errors import ConnectionClosed, ProtocolError, Refused, Timeout
+from .errors import ConnectionClosed, ProtocolError, Refused, Timeout, TransportError
 from .framing import CLOSE as _CLOSE
 from .framing import DATA as _DATA
 from .framing import (CAP_SHM_FAST, FAST_HEAD, FAST_SIZE, MAX_FAST_RECORD, SLOT_OVERHEAD, TAG_FAST,
-                      pack_slot_frame, parse_fast_record, parse_record, parse_slot_record, slot_header)
+                      pack_slot_frame, parse_fast_record, parse_record, parse_slot_record, slot_header,
+                      unpack_fast_user)
 from .pool import BufferPool, Slot, buffer_address, describe_buffers, round_up, stage_buffers
 from .shmring import (REC_HDR, W_ARMED_DATA, W_ARMED_SPACE, W_OUT_HEAD, W_OUT_TAIL, W_RET_HEAD, W_RET_TAIL, W_RUNG,
-                      W_RUNG_AT, Doorbell, Fence, Layout, RecordReader, RecordWriter, ReturnReader, ReturnWriter,
-                      Segment, pow2, ring_bell)
+                      W_RUNG_AT, Cursors, Doorbell, Fence, Layout, RecordReader, RecordWriter, ReturnReader,
+                      ReturnWriter, Segment, pow2, ring_bell)
 from .timing import SHM_NAP, SHM_SPIN, SHM_SPIN_MIN
 
-__all__ = ["ShmConnection", "ShmListener", "connect", "listen"]
+try:  # the compiled fast path (setup.py builds it; without it every message takes the Python path)
+    from . import _shmfast
+except ImportError:  # no compiler where this was installed
+    _shmfast = None
+
+__all__ = ["ShmConnection", "ShmListener", "connect", "listen", "NATIVE_AVAILABLE"]
+
+#: whether transport/_shmfast.c is built here (connections use it unless ``native=False``)
+NATIVE_AVAILABLE = _shmfast is not None
 
 SOCK_PREFIX = "\0moe-transport/shm/"
 # a record holds at most a prefix and a MAX_HEADER header; twice that always fits the ring
@@ -134,7 +143,7 @@ def _recv_fds(sock: socket.socket) -> hs.HandshakeGen:
 
 def _handshake(sock: socket.socket, role: str, url: str, slot_size: int, nslots: int, timeout: float,
                limits: hs.Limits, secret: Optional[bytes], allowed_gids: Sequence[int],
-               fast: bool = True) -> hs.HandshakeGen:
+               fast: bool = True, native: Optional[bool] = None) -> hs.HandshakeGen:
     """Credentials, HELLO (+ AUTH) both ways, then each side creates its segment for the
     peer's (checked) limits and the two swap segment and doorbell fds."""
     creds = peer_credentials(sock)
@@ -169,7 +178,7 @@ def _handshake(sock: socket.socket, role: str, url: str, slot_size: int, nslots:
         peer_bell = fds[1]
         fds = []
         conn = ShmConnection(url, sock, seg, peer_seg, bell, peer_bell, slot_size, nslots,
-                             default_timeout=timeout, fast=CAP_SHM_FAST in ex.shared_caps)
+                             default_timeout=timeout, fast=CAP_SHM_FAST in ex.shared_caps, native=native)
     except BaseException:  # GeneratorExit too: an abandoned handshake frees what it made
         for fd in fds:
             os.close(fd)
@@ -210,15 +219,20 @@ class _SlotMessage(Message):
         self._conn = None
         if conn is None or conn._state >= BROKEN:
             return
+        link = conn._link
+        if link is not None:  # compiled: the same push and wake-up check
+            if link.give_back(self._token):
+                conn._release_failed(ProtocolError("more slots returned than the peer has"))
+            return
         # the slot goes back: ReturnWriter.push_one and the wake-up check inlined (a
         # corrupted return ring makes the connection BROKEN; release never raises)
-        gb, pw = conn._give_back, conn._pw
-        tail = gb.tail
+        gb, pw, cur = conn._give_back, conn._pw, conn._cur
+        tail = cur.ret_tail
         if tail - pw[W_RET_HEAD] >= gb.cap:
             conn._release_failed(ProtocolError("more slots returned than the peer has"))
             return
         gb.ids[tail & gb.mask] = self._token
-        gb.tail = tail = tail + 1
+        cur.ret_tail = tail = tail + 1
         pw[W_RET_TAIL] = tail
         conn._acq()  # full fence: the return published (store) before "armed" is read (load)
         conn._rel()
@@ -226,18 +240,30 @@ class _SlotMessage(Message):
             conn._ring()
 
 
+class _NativeSlotMessage(_SlotMessage):
+    """A one-slot message the compiled path made: the same fields, and its ``release`` is
+    the compiled version of _SlotMessage.release (installed below when the module is built)."""
+
+    __slots__ = ()
+
+
+if _shmfast is not None:
+    _NativeSlotMessage.release = _shmfast.bind(_NativeSlotMessage, ProtocolError, BROKEN)
+
+
 class ShmConnection(Connection):
     """One shm connection after the handshake (used by one thread at a time)."""
 
     def __init__(self, url: str, sock: socket.socket, seg: Segment, peer_seg: Segment,
                  bell: Doorbell, peer_bell: int, slot_size: int, nslots: int,
-                 *, default_timeout: float = DEFAULT_TIMEOUT, fast: bool = False):
+                 *, default_timeout: float = DEFAULT_TIMEOUT, fast: bool = False,
+                 native: Optional[bool] = None):
         self.url = url
         self._state = OPEN  # an instance attribute: the hot paths read it on every call
         #: both HELLOs listed framing.CAP_SHM_FAST: common messages go as fast records
         self._fast = fast
         self.default_timeout = default_timeout
-        self.stats = ConnectionStats()
+        self._stats = ConnectionStats()  # the `stats` property adds the compiled path's counts
         self._sock = sock
         self._seg, self._peer_seg = seg, peer_seg
         self._bell, self._peer_bell = bell, peer_bell
@@ -248,40 +274,72 @@ class ShmConnection(Connection):
         self._free, self._in_use, self._slots = pool._free, pool._in_use, pool._slots
         self._w = seg.words  # our control words
         self._pw = peer_seg.words  # the peer's
-        self._out = RecordWriter(seg.ring, seg.words)
-        self._in = RecordReader(peer_seg.ring, peer_seg.words)
-        self._in32 = peer_seg.ring.cast("I")  # record length words, read without a struct call
-        self._spins = range(16)
-        self._returns = ReturnReader(seg.ret, seg.words)
-        self._give_back = ReturnWriter(peer_seg.ret, peer_seg.words)
-        fence = Fence()
-        self._acq, self._rel = fence._lock.acquire, fence._lock.release  # inlined: hot path
         # receive side: read-only views into the peer's pool (the sender's very slots)
         self._recv_slot_size, self._recv_nslots = slot_size, nslots
         self._recv_stride = peer_seg.layout.stride
         self._recv_mem = peer_seg.pool_mem.toreadonly()
         self._ranges = [(buffer_address(s.mem), len(s.mem)) for s in (peer_seg, seg)]
-        self._rung_sent = self._pw[W_RUNG]
-        self._rung_seen = self._w[W_RUNG]
+        cur = Cursors(self._w[W_OUT_TAIL], self._pw[W_OUT_HEAD], self._pw[W_RET_TAIL], self._pw[W_RUNG],
+                      self._w[W_RUNG])
+        #: the compiled fast path (transport/_shmfast.c) for fast records, or None
+        self._link = self._make_link(seg, peer_seg, bell, peer_bell, cur) if fast and native is not False else None
+        self._cur = cur = self._link if self._link is not None else cur  # one set of cursors for both paths
+        self._out = RecordWriter(seg.ring, seg.words, cur)
+        self._in = RecordReader(peer_seg.ring, peer_seg.words, cur)
+        self._in32 = peer_seg.ring.cast("I")  # record length words, read without a struct call
+        self._spins = range(16)
+        self._returns = ReturnReader(seg.ret, seg.words)
+        self._give_back = ReturnWriter(peer_seg.ret, peer_seg.words, cur)
+        fence = Fence()
+        self._acq, self._rel = fence._lock.acquire, fence._lock.release  # inlined: hot path
         self._spin = SPIN
         self._torn = False  # segments, sockets and fds released (BROKEN by a protocol error, CLOSED)
         self._w[W_ARMED_DATA] = 1  # outside recv a Poller may be sleeping on fileno()
         self._w[W_ARMED_SPACE] = 0
 
+    def _make_link(self, seg: Segment, peer_seg: Segment, bell: Doorbell, peer_bell: int, cur: Cursors):
+        if _shmfast is None:
+            return None
+        mine, theirs = seg.layout, peer_seg.layout
+        return _shmfast.Link(seg.mem, mine.ring_off, mine.ring_bytes, peer_seg.mem, theirs.ring_off,
+                             theirs.ring_bytes, theirs.ret_off, theirs.ret_cap, self._recv_mem, self._recv_stride,
+                             self._recv_slot_size, self._recv_nslots, bell.fd, peer_bell, unpack_fast_user,
+                             MAX_FAST_RECORD, TAG_FAST, cur.out_tail, cur.in_head, cur.ret_tail, cur.rung_sent,
+                             cur.rung_seen)
+
+    @property
+    def native(self) -> bool:
+        """Whether this connection's fast records go through the compiled path."""
+        return self._link is not None
+
+    @property
+    def stats(self) -> ConnectionStats:
+        link = self._link
+        if link is not None and (link.msgs_in or link.msgs_out):  # fold in the compiled path's counts
+            st = self._stats
+            st.messages_received += link.msgs_in
+            st.bytes_received += link.bytes_in
+            st.messages_sent += link.msgs_out
+            st.bytes_sent += link.bytes_out
+            link.msgs_in = link.bytes_in = link.msgs_out = link.bytes_out = 0
+        return self._stats
+
     # -- doorbell -------------------------------------------------------------------
     def _ring(self) -> None:
         # when we rang (the clock both processes share): lets a sleeper tell a message that
         # came late from a wake-up that came late (see _wait_record)
+        cur = self._cur
         self._pw[W_RUNG_AT] = time.monotonic_ns()
         ring_bell(self._peer_bell)
-        self._rung_sent += 1
-        self._pw[W_RUNG] = self._rung_sent  # after the write: a reader that sees it may clear
+        cur.rung_sent += 1
+        self._pw[W_RUNG] = cur.rung_sent  # after the write: a reader that sees it may clear
 
     def _clear_bell(self) -> None:
         rung = self._w[W_RUNG]
-        if rung != self._rung_seen:
+        cur = self._cur
+        if rung != cur.rung_seen:
             self._bell.clear()
-            self._rung_seen = rung
+            cur.rung_seen = rung
 
     def _sleep(self, deadline: Deadline) -> None:
         """One bounded sleep on the doorbell (the caller has armed and re-checked)."""
@@ -323,7 +381,18 @@ class ShmConnection(Connection):
         inr = self._in
         pw = self._pw
         try:
-            head = inr.head
+            link = self._link
+            if link is not None:  # compiled: a fast record in one call (None: anything else)
+                m = link.recv(self)
+                if m is not None:
+                    return m
+                if pw[W_OUT_TAIL] == link.in_head:
+                    self._wait_record(timeout)  # returns once a record is there
+                    m = link.recv(self)
+                    if m is not None:
+                        return m
+            cur = self._cur
+            head = cur.in_head
             tail = pw[W_OUT_TAIL]
             if tail == head:
                 self._wait_record(timeout)  # returns once a record is there
@@ -339,17 +408,17 @@ class ShmConnection(Connection):
                 if n <= MAX_FAST_RECORD and need <= tail - head <= cap and pos + need <= cap:
                     fast = parse_fast_record(inr.data, pos + REC_HDR, n, self._recv_slot_size, self._recv_nslots)
                     if fast is not None:
-                        inr.head = inr.next_head = head = head + need
+                        cur.in_head = inr.next_head = head = head + need
                         pw[W_OUT_HEAD] = head  # the record is parsed: its space goes back
                         w = self._w
                         w[W_ARMED_DATA] = 1  # re-armed only now (see below)
                         if pw[W_ARMED_SPACE]:
                             self._ring()
-                        if w[W_RUNG] != self._rung_seen:
+                        if w[W_RUNG] != self._cur.rung_seen:
                             self._clear_bell()
                         # _one_slot_message inlined: this is the hot path, a call costs here
                         user, s, k = fast
-                        st = self.stats
+                        st = self._stats
                         st.messages_received += 1
                         st.bytes_received += k
                         base = s * self._recv_stride
@@ -372,7 +441,7 @@ class ShmConnection(Connection):
                 self._w[W_ARMED_DATA] = 1
                 if self._pw[W_ARMED_SPACE]:  # the peer waits for ring space
                     self._ring()
-                if self._w[W_RUNG] != self._rung_seen:  # we were rung for this record:
+                if self._w[W_RUNG] != self._cur.rung_seen:  # we were rung for this record:
                     self._clear_bell()  # unread, the fd would stay readable for a Poller
         except ProtocolError as e:
             self._abort(f"protocol error: {e}")
@@ -440,7 +509,7 @@ class ShmConnection(Connection):
 
     def _one_slot_message(self, user: Any, s: int, k: int) -> Message:
         """The message of a one-slot record: ``k`` bytes of receive slot ``s``, where they landed."""
-        st = self.stats
+        st = self._stats
         st.messages_received += 1
         st.bytes_received += k
         base = s * self._recv_stride
@@ -461,7 +530,7 @@ class ShmConnection(Connection):
             bufs.append(mem[base : base + k])
             if s not in ids:
                 ids.append(s)
-        st = self.stats
+        st = self._stats
         st.messages_received += 1
         st.bytes_received += plen
         return Message(user, bufs, None, self, ids)
@@ -531,7 +600,7 @@ class ShmConnection(Connection):
         slot = pool.try_alloc()
         if slot is None:
             if not self._take_returns() or (slot := pool.try_alloc()) is None:
-                self.stats.credit_stalls += 1
+                self._stats.credit_stalls += 1
                 self._wait_space(lambda: self._take_returns() and pool.available > 0, deadline,
                                  "waiting for the peer to release a slot")
                 slot = pool.try_alloc()
@@ -576,17 +645,21 @@ class ShmConnection(Connection):
                         if n > MAX_FAST_RECORD:
                             self._send_slot(uh, b, timeout)
                             return
+                    link = self._link
+                    if link is not None and not link.send(b.index, b.nbytes, uh):
+                        return  # compiled: written and published (-1: the long way below)
                     # RecordWriter.reserve and commit inlined for a record that fits
                     # without padding (nearly always); anything else goes the long way
                     out = self._out
                     need = (n + 15) & ~7  # REC_HDR + n rounded up to 8
-                    old = out.tail
+                    cur = self._cur
+                    old = cur.out_tail
                     pos = old & out.mask
                     w = self._w
                     if pos + need > out.cap or not 0 <= old - w[W_OUT_HEAD] <= out.cap - need:
                         self._send_fast_slow(uh, n, b, timeout)
                         return
-                    out.tail = new = old + need
+                    cur.out_tail = new = old + need
                     k = b.nbytes
                     data = out.data
                     _FAST_REC.pack_into(data, pos, n, 0, TAG_FAST, b.index, k)
@@ -597,7 +670,7 @@ class ShmConnection(Connection):
                     self._rel()
                     if self._pw[W_ARMED_DATA] and w[W_OUT_HEAD] == old:
                         self._ring()  # armed, and it had taken all but our record
-                    st = self.stats
+                    st = self._stats
                     st.messages_sent += 1
                     st.bytes_sent += k
                     return
@@ -631,7 +704,7 @@ class ShmConnection(Connection):
         self._rel()
         if self._pw[W_ARMED_DATA] and out.words[W_OUT_HEAD] == old:
             self._ring()
-        st = self.stats
+        st = self._stats
         st.messages_sent += 1
         st.bytes_sent += k
 
@@ -656,7 +729,7 @@ class ShmConnection(Connection):
         self._rel()
         if self._pw[W_ARMED_DATA] and out.words[W_OUT_HEAD] == old:
             self._ring()  # armed, and it had taken all but our record
-        st = self.stats
+        st = self._stats
         st.messages_sent += 1
         st.bytes_sent += k
 
@@ -712,7 +785,7 @@ class ShmConnection(Connection):
         self._rel()
         if self._pw[W_ARMED_DATA] and old >= 0 and out.empty_for_peer(old):
             self._ring()
-        st = self.stats
+        st = self._stats
         st.messages_sent += 1
         st.bytes_sent += total
 
@@ -720,7 +793,7 @@ class ShmConnection(Connection):
         """lens and slot descriptors of a general message, unregistered buffers staged."""
         lens, extra, others, total = describe_buffers(buffers, self.send_pool, self.max_message, _MAX_BUFFERS)
         if others:
-            self.stats.copies += stage_buffers(others, extra, lambda: self._alloc_slot(deadline),
+            self._stats.copies += stage_buffers(others, extra, lambda: self._alloc_slot(deadline),
                                                self.max_message, owned)
         return lens, extra, total
 
@@ -766,6 +839,8 @@ class ShmConnection(Connection):
         except OSError:
             pass
         self._sock.close()
+        if self._link is not None:
+            self._link.close()  # before the fds and mappings it uses go (its cursors stay)
         self._bell.close()
         os.close(self._peer_bell)
         # drop every view of the segments we made, so that the mappings (and the fds mmap
@@ -782,11 +857,21 @@ class ShmConnection(Connection):
 
 
 # -- listener and connect -----------------------------------------------------------
+def _check_native(native: Optional[bool]) -> Optional[bool]:
+    """``native=True`` where the compiled path is not built fails here, not per connection."""
+    if native not in (None, True, False):
+        raise ValueError(f"native must be None, True or False, got {native!r}")
+    if native and _shmfast is None:
+        raise TransportError("shm:// native=True, but the compiled fast path (transport/_shmfast.c) "
+                             "is not built here: `make deps` builds it (it needs gcc and python3-dev)")
+    return native
+
+
 class ShmListener(Listener):
     def __init__(self, name: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = DEFAULT_NSLOTS,
                  timeout: float = DEFAULT_TIMEOUT, backlog: int = 128, secret: Any = None,
                  max_peer_slot_size: Optional[int] = None, max_peer_nslots: Optional[int] = None,
-                 allowed_gids: Sequence[int] = (), fast: bool = True):
+                 allowed_gids: Sequence[int] = (), fast: bool = True, native: Optional[bool] = None):
         if slot_size <= 0 or nslots <= 0:
             raise ValueError("slot_size and nslots must be positive")
         self.secret = hs.as_secret(secret)
@@ -794,6 +879,7 @@ class ShmListener(Listener):
                                              max_nslots=max_peer_nslots)
         self.allowed_gids = tuple(allowed_gids)
         self.fast = fast
+        self.native = _check_native(native)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             self.sock.bind(_sock_name(name))
@@ -817,7 +903,7 @@ class ShmListener(Listener):
         self._n += 1
         url = f"{self.url}#{self._n}"
         gen = _handshake(sock, "server", url, self.slot_size, self.nslots, self.timeout, self.limits,
-                         self.secret, self.allowed_gids, self.fast)
+                         self.secret, self.allowed_gids, self.fast, self.native)
         return hs.Pending(gen, sock, url)
 
     def close(self) -> None:
@@ -827,18 +913,22 @@ class ShmListener(Listener):
 def listen(address: str, **options: Any) -> ShmListener:
     """Listen on ``shm://address`` (options: slot_size, nslots, timeout, secret,
     max_peer_slot_size, max_peer_nslots, allowed_gids, fast: offer the fixed-width fast
-    record, used when the peer offers it too; False keeps every message msgpack-framed)."""
+    record, used when the peer offers it too; False keeps every message msgpack-framed;
+    native: fast records through the compiled path, transport/_shmfast.c -- None (the
+    default) when it is built, True to require it, False for the Python path; either end
+    may choose either, the bytes are the same)."""
     return ShmListener(address, **options)
 
 
 def connect(address: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = DEFAULT_NSLOTS,
             timeout: float = DEFAULT_TIMEOUT, secret: Any = None, max_peer_slot_size: Optional[int] = None,
             max_peer_nslots: Optional[int] = None, allowed_gids: Sequence[int] = (),
-            fast: bool = True) -> ShmConnection:
+            fast: bool = True, native: Optional[bool] = None) -> ShmConnection:
     """Connect to ``shm://address``; blocks (bounded by ``timeout``) on the handshake
-    (``fast``: as for :func:`listen`)."""
+    (``fast``, ``native``: as for :func:`listen`)."""
     if slot_size <= 0 or nslots <= 0:
         raise ValueError("slot_size and nslots must be positive")
+    native = _check_native(native)
     secret = hs.as_secret(secret)
     limits = hs.Limits.for_endpoint(slot_size, nslots, max_slot_size=max_peer_slot_size,
                                     max_nslots=max_peer_nslots)
@@ -854,7 +944,7 @@ def connect(address: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = D
             raise ConnectionClosed(f"cannot connect to shm://{address}: {e}") from None
         sock.setblocking(False)
         gen = _handshake(sock, "client", f"shm://{address}", slot_size, nslots, timeout, limits, secret,
-                         tuple(allowed_gids), fast)
+                         tuple(allowed_gids), fast, native)
         return hs.run(gen, sock.fileno(), deadline, "in the shm handshake")
     except BaseException:
         sock.close()

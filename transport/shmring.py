@@ -198,6 +198,20 @@ class Segment:
 _REGISTRY: dict = {}
 
 
+class Cursors:
+    """One side's own positions in a connection's rings and doorbell counts. The shared
+    words mirror them for the peer, but these are the truth for us (the peer can rewrite
+    the shared words at any time). transport/_shmfast.c's ``Link`` has the same fields, so
+    the compiled fast path and the classes below move the same cursors."""
+
+    __slots__ = ("out_tail", "in_head", "ret_tail", "rung_sent", "rung_seen")
+
+    def __init__(self, out_tail: int = 0, in_head: int = 0, ret_tail: int = 0, rung_sent: int = 0,
+                 rung_seen: int = 0):
+        self.out_tail, self.in_head, self.ret_tail = out_tail, in_head, ret_tail
+        self.rung_sent, self.rung_seen = rung_sent, rung_seen
+
+
 class RecordWriter:
     """The producer end of a byte ring of length-prefixed records.
 
@@ -206,14 +220,23 @@ class RecordWriter:
     object in between. Nothing is visible to the consumer before ``commit``.
     """
 
-    __slots__ = ("data", "words", "tail", "cap", "mask", "_next")
+    __slots__ = ("data", "words", "cur", "cap", "mask", "_next")
 
-    def __init__(self, data: memoryview, words: memoryview):
+    def __init__(self, data: memoryview, words: memoryview, cur: Optional[Cursors] = None):
         self.data, self.words = data, words
         self.cap = len(data)
         self.mask = self.cap - 1
-        self.tail = words[W_OUT_TAIL]  # we are the only writer: keep it in a local
-        self._next = self.tail
+        # we are the only writer of the tail: ours is the truth, not the shared word
+        self.cur = cur if cur is not None else Cursors(out_tail=words[W_OUT_TAIL])
+        self._next = self.cur.out_tail
+
+    @property
+    def tail(self) -> int:
+        return self.cur.out_tail
+
+    @tail.setter
+    def tail(self, value: int) -> None:
+        self.cur.out_tail = value
 
     def room(self) -> int:
         """Free bytes in the ring (a record of up to half of them always fits: see reserve)."""
@@ -274,15 +297,23 @@ class RecordReader:
     Everything the peer wrote is checked before use: a garbage record raises
     ProtocolError and is never read outside the ring."""
 
-    __slots__ = ("data", "words", "head", "cap", "mask", "pos", "next_head")
+    __slots__ = ("data", "words", "cur", "cap", "mask", "pos", "next_head")
 
-    def __init__(self, data: memoryview, words: memoryview):
+    def __init__(self, data: memoryview, words: memoryview, cur: Optional[Cursors] = None):
         self.data, self.words = data, words
         self.cap = len(data)
         self.mask = self.cap - 1
-        self.head = words[W_OUT_HEAD]
+        self.cur = cur if cur is not None else Cursors(in_head=words[W_OUT_HEAD])
         self.pos = 0
-        self.next_head = self.head
+        self.next_head = self.cur.in_head
+
+    @property
+    def head(self) -> int:
+        return self.cur.in_head
+
+    @head.setter
+    def head(self, value: int) -> None:
+        self.cur.in_head = value
 
     def ready(self) -> bool:
         return self.words[W_OUT_TAIL] != self.head
@@ -348,13 +379,21 @@ class RecordReader:
 class ReturnWriter:
     """We give the peer's slots back: push ids into the ring in the peer's segment."""
 
-    __slots__ = ("ids", "words", "tail", "mask", "cap")
+    __slots__ = ("ids", "words", "cur", "mask", "cap")
 
-    def __init__(self, ids: memoryview, words: memoryview):
+    def __init__(self, ids: memoryview, words: memoryview, cur: Optional[Cursors] = None):
         self.ids, self.words = ids, words
         self.cap = len(ids)
         self.mask = self.cap - 1
-        self.tail = words[W_RET_TAIL]
+        self.cur = cur if cur is not None else Cursors(ret_tail=words[W_RET_TAIL])
+
+    @property
+    def tail(self) -> int:
+        return self.cur.ret_tail
+
+    @tail.setter
+    def tail(self, value: int) -> None:
+        self.cur.ret_tail = value
 
     def push_one(self, index: int) -> None:
         tail = self.tail

@@ -5,7 +5,8 @@
 
 The first input byte picks the target -- tcp's next_frame walk, shm's record parsers
 (fast and full, which must agree), rdma's receive-buffer, slot and credit-message
-decoders, the handshake's HELLO, shm's negotiated fast record -- and the rest is what a
+decoders, the handshake's HELLO, shm's negotiated fast record, and that record through
+the compiled path (transport/_shmfast.c) against the Python one -- and the rest is what a
 peer wrote. Any exception other than ProtocolError, any result that points outside the
 input, or a fast path that disagrees with the full validation, is a crash (atheris saves
 the input).
@@ -19,8 +20,9 @@ import sys
 import atheris
 
 with atheris.instrument_imports():
-    from transport import framing
+    from transport import framing, shm
     from transport.errors import ProtocolError
+    from transport.testing import shmlink
 
 MAX_HEADER, MAX_PAYLOAD = 4096, 1 << 16
 SLOT_SIZE, NSLOTS = 4096, 8
@@ -97,7 +99,18 @@ def _hello(data: bytes) -> None:
     assert isinstance(framing.decode_hello(data[framing.PREFIX_SIZE:]), dict)
 
 
-TARGETS = [_next_frame, _records, _in_buffer, _in_slot, _credits, _hello, _fast_record]
+def _native_record(data: bytes) -> None:
+    """The first 2 bytes place the record in the ring (near its end: padding, a cut-off
+    record), the next 4 are the length it announces, the rest is the record."""
+    if not shm.NATIVE_AVAILABLE or len(data) < 6:
+        return
+    head = int.from_bytes(data[:2], "little") % (2 * shmlink.RING)
+    n = int.from_bytes(data[2:6], "little")
+    rec = data[6:]
+    shmlink.check_recv(rec, head, n, head + ((min(n, 1 << 20) + 15) & ~7))
+
+
+TARGETS = [_next_frame, _records, _in_buffer, _in_slot, _credits, _hello, _fast_record, _native_record]
 
 
 def test_one_input(data: bytes) -> None:
@@ -121,7 +134,9 @@ def _seeds() -> list[bytes]:
     return [bytes([0]) + data + framing.frame_credit(2) + framing.frame_close(), bytes([1]) + bytes(rec),
             bytes([2]) + send, bytes([3]) + slot + b"wxyz", bytes([4]) + b"\x93\x01\x00\x91\x02",
             bytes([5]) + b"".join(framing.encode_hello({"slot_size": 4096, "nslots": 4})),
-            bytes([6]) + framing.FAST_HEAD.pack(framing.TAG_FAST, 2, 100) + b"\x81\xa1k\x01"]
+            bytes([6]) + framing.FAST_HEAD.pack(framing.TAG_FAST, 2, 100) + b"\x81\xa1k\x01",
+            bytes([7]) + (4000).to_bytes(2, "little") + (20).to_bytes(4, "little")
+            + framing.FAST_HEAD.pack(framing.TAG_FAST, 2, 100) + b"\x81\xa1k\x01"]
 
 
 def main(argv: list[str]) -> None:

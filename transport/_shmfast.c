@@ -1,0 +1,575 @@
+/* shm://'s compiled fast path: the common message (one slot, framing's fixed-width fast
+ * record) sent, received and released in one call each.
+ *
+ * transport/shm.py stays the whole protocol: this module only does, for the one record
+ * shape it recognises, what shm.py's Python fast path does, byte for byte, on the same
+ * cursors (the Link's members, which shm.py reads and writes too). Anything it does not
+ * recognise -- no record yet, ring padding, a msgpack record, a malformed or hostile fast
+ * record, a full ring -- it leaves untouched (recv returns None, send -1) and the Python
+ * path handles it, errors included. So it never raises a protocol error itself and never
+ * reads or writes outside the rings and words it was given (every index is checked against
+ * the buffer it points into; the peer can rewrite its memory at any time, so each field
+ * is read once into a local).
+ *
+ * Memory ordering is shmring.py's (x86-TSO): record bytes, then the tail; the Dekker
+ * StoreLoad fence before reading the peer's "armed" word is a seq_cst fence (mfence),
+ * where the Python path takes and drops a lock.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+/* transport/shmring.py: control word indexes (u64) */
+#define W_OUT_TAIL (8 * 1)
+#define W_OUT_HEAD (8 * 2)
+#define W_RET_TAIL (8 * 3)
+#define W_RET_HEAD (8 * 4)
+#define W_ARMED_DATA (8 * 5)
+#define W_ARMED_SPACE (8 * 6)
+#define W_RUNG (8 * 7)
+#define W_RUNG_AT (8 * 7 + 1)
+#define N_WORDS (W_RUNG_AT + 1)
+#define REC_HDR 8
+
+/* bind(): the message class this module makes and releases, its slots, and what a
+ * release needs to know about the connection (transport/base.py's lifecycle) */
+static PyTypeObject *msg_type;
+static PyMemberDef *m_header, *m_buffers, *m_released, *m_conn, *m_token;
+static PyObject *protocol_error, *s_state, *s_link, *s_release, *s_release_failed;
+static long broken_state;
+
+typedef struct {
+    PyObject_HEAD
+    int open;
+    Py_buffer seg, peer;            /* our mapping and the peer's (held while open) */
+    volatile uint64_t *w, *pw;      /* our control words, the peer's */
+    unsigned char *out, *in;        /* our record ring, the peer's */
+    uint64_t out_cap, in_cap;
+    volatile uint32_t *pret;        /* the return ring in the peer's segment */
+    uint64_t pret_cap;
+    uint64_t recv_stride, recv_slot_size, recv_nslots;
+    uint64_t max_record;            /* framing.MAX_FAST_RECORD */
+    uint32_t tag;                   /* framing.TAG_FAST */
+    int bell_fd, peer_bell_fd;
+    PyObject *recv_mem, *unpack;
+    /* cursors shared with shm.py (see shmring.Cursors) */
+    unsigned long long out_tail, in_head, ret_tail, rung_sent, rung_seen;
+    /* messages through this path, folded into ConnectionStats by shm.py */
+    unsigned long long msgs_in, bytes_in, msgs_out, bytes_out;
+} Link;
+
+static inline uint64_t ld(volatile uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline void st(volatile uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+static void
+ring(Link *self)
+{
+    struct timespec ts;
+    uint64_t one = 1;
+    clock_gettime(CLOCK_MONOTONIC, &ts);  /* the clock time.monotonic_ns() reads */
+    st(&self->pw[W_RUNG_AT], (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec);
+    /* EAGAIN (the counter is saturated: rung anyway) or a peer gone: nothing to do */
+    if (write(self->peer_bell_fd, &one, sizeof one) < 0) { /* ignored, as shmring.ring_bell */ }
+    self->rung_sent += 1;
+    st(&self->pw[W_RUNG], self->rung_sent);  /* after the write: a reader that sees it may clear */
+}
+
+static int
+inside(Py_buffer *view, Py_ssize_t off, Py_ssize_t len, const char *what)
+{
+    if (off < 0 || len < 0 || off > view->len - len) {
+        PyErr_Format(PyExc_ValueError, "%s (%zd bytes at %zd) is outside its mapping of %zd bytes",
+                     what, len, off, view->len);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+pow2(uint64_t v) { return v && !(v & (v - 1)); }
+
+static int
+Link_init(Link *self, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"seg", "out_off", "out_cap", "peer", "in_off", "in_cap", "pret_off", "pret_cap",
+                         "recv_mem", "recv_stride", "recv_slot_size", "recv_nslots", "bell_fd", "peer_bell_fd",
+                         "unpack", "max_record", "tag", "out_tail", "in_head", "ret_tail",
+                         "rung_sent", "rung_seen", NULL};
+    PyObject *seg, *peer, *recv_mem, *unpack;
+    Py_ssize_t out_off, out_cap, in_off, in_cap, pret_off, pret_cap;
+    unsigned long long stride, slot_size, nslots, max_record, out_tail, in_head, ret_tail, rung_sent, rung_seen;
+    unsigned int tag;
+    int bell_fd, peer_bell_fd;
+    if (self->open) {
+        PyErr_SetString(PyExc_RuntimeError, "Link is already initialised");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnnOnnnnOKKKiiOKIKKKKK", kw, &seg, &out_off, &out_cap,
+                                     &peer, &in_off, &in_cap, &pret_off, &pret_cap, &recv_mem, &stride,
+                                     &slot_size, &nslots, &bell_fd, &peer_bell_fd, &unpack,
+                                     &max_record, &tag, &out_tail, &in_head, &ret_tail, &rung_sent, &rung_seen))
+        return -1;
+    if (!pow2((uint64_t)out_cap) || !pow2((uint64_t)in_cap) || !pow2((uint64_t)pret_cap)) {
+        PyErr_SetString(PyExc_ValueError, "ring sizes must be powers of two");
+        return -1;
+    }
+    if (msg_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "bind() the message class first");
+        return -1;
+    }
+    if (max_record < 16 || max_record > (1u << 20) || !PyCallable_Check(unpack)) {
+        PyErr_SetString(PyExc_ValueError, "bad max_record or unpack");
+        return -1;
+    }
+    if (PyObject_GetBuffer(seg, &self->seg, PyBUF_WRITABLE) < 0)
+        return -1;
+    if (PyObject_GetBuffer(peer, &self->peer, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&self->seg);
+        return -1;
+    }
+    if (inside(&self->seg, 0, N_WORDS * 8, "our control words") < 0
+        || inside(&self->seg, out_off, out_cap, "our ring") < 0
+        || inside(&self->peer, 0, N_WORDS * 8, "the peer's control words") < 0
+        || inside(&self->peer, in_off, in_cap, "the peer's ring") < 0
+        || inside(&self->peer, pret_off, pret_cap * 4, "the peer's return ring") < 0
+        || (((uintptr_t)self->seg.buf | (uintptr_t)self->peer.buf | (uintptr_t)out_off | (uintptr_t)in_off
+             | (uintptr_t)pret_off) & 7)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "mappings and rings must be 8-byte aligned");
+        PyBuffer_Release(&self->seg);
+        PyBuffer_Release(&self->peer);
+        return -1;
+    }
+    self->w = (volatile uint64_t *)self->seg.buf;
+    self->pw = (volatile uint64_t *)self->peer.buf;
+    self->out = (unsigned char *)self->seg.buf + out_off;
+    self->in = (unsigned char *)self->peer.buf + in_off;
+    self->pret = (volatile uint32_t *)((unsigned char *)self->peer.buf + pret_off);
+    self->out_cap = (uint64_t)out_cap;
+    self->in_cap = (uint64_t)in_cap;
+    self->pret_cap = (uint64_t)pret_cap;
+    self->recv_stride = stride;
+    self->recv_slot_size = slot_size;
+    self->recv_nslots = nslots;
+    self->max_record = max_record;
+    self->tag = tag;
+    self->bell_fd = bell_fd;
+    self->peer_bell_fd = peer_bell_fd;
+    Py_INCREF(recv_mem);
+    Py_INCREF(unpack);
+    self->recv_mem = recv_mem;
+    self->unpack = unpack;
+    self->out_tail = out_tail;
+    self->in_head = in_head;
+    self->ret_tail = ret_tail;
+    self->rung_sent = rung_sent;
+    self->rung_seen = rung_seen;
+    self->open = 1;
+    return 0;
+}
+
+static void
+release_all(Link *self)
+{
+    if (self->open) {
+        self->open = 0;
+        PyBuffer_Release(&self->seg);
+        PyBuffer_Release(&self->peer);
+    }
+    Py_CLEAR(self->recv_mem);
+    Py_CLEAR(self->unpack);
+}
+
+static void
+Link_dealloc(Link *self)
+{
+    release_all(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+PyDoc_STRVAR(close_doc, "close()\n--\n\nRelease the mappings (the cursors stay readable); every "
+             "later call declines (recv None, send and give_back -1).");
+
+static PyObject *
+Link_close(Link *self, PyObject *unused)
+{
+    release_all(self);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(send_doc, "send(slot, nbytes, user)\n--\n\nWrite the fast record for ``nbytes`` of "
+             "our slot ``slot`` with packed user header ``user`` (b\"\" for {}) and publish it, ringing "
+             "the peer if it sleeps; 0. -1, with nothing written, when the record needs the Python path "
+             "(ring padding, a full ring, a header too large, a corrupted head, a closed link).");
+
+static PyObject *
+Link_send(Link *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned long long slot, nbytes;
+    char *user;
+    Py_ssize_t ulen;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "send(slot, nbytes, user)");
+        return NULL;
+    }
+    slot = PyLong_AsUnsignedLongLong(args[0]);
+    nbytes = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (PyBytes_AsStringAndSize(args[2], &user, &ulen) < 0)
+        return NULL;
+    if (!self->open || slot > UINT32_MAX)
+        return PyLong_FromLong(-1);
+    uint64_t n = 16 + (uint64_t)ulen;
+    if (n > self->max_record)
+        return PyLong_FromLong(-1);
+    uint64_t need = (n + 15) & ~(uint64_t)7;  /* REC_HDR + n rounded up to 8 */
+    uint64_t old = self->out_tail, cap = self->out_cap;
+    uint64_t pos = old & (cap - 1);
+    uint64_t used = old - ld(&self->w[W_OUT_HEAD]);
+    if (pos + need > cap || used > cap - need)  /* padding first, no room, or a corrupted head */
+        return PyLong_FromLong(-1);
+    unsigned char *p = self->out + pos;
+    uint32_t hdr[4] = {(uint32_t)n, 0, self->tag, (uint32_t)slot};
+    memcpy(p, hdr, sizeof hdr);
+    memcpy(p + 16, &nbytes, 8);
+    if (ulen)
+        memcpy(p + REC_HDR + 16, user, (size_t)ulen);
+    self->out_tail = old + need;
+    st(&self->w[W_OUT_TAIL], old + need);  /* publish: after the record's bytes */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);  /* the tail (store) before "armed" and head (loads) */
+    if (ld(&self->pw[W_ARMED_DATA]) && ld(&self->w[W_OUT_HEAD]) == old)
+        ring(self);  /* armed, and it had taken all but our record */
+    self->msgs_out += 1;
+    self->bytes_out += nbytes;
+    return PyLong_FromLong(0);
+}
+
+PyDoc_STRVAR(recv_doc, "recv(conn)\n--\n\nThe next record as a message of the bound class "
+             "(header, [view], released False, conn, the slot; no __init__ runs) "
+             "if it is a well-formed fast record, its ring space given back; None, with nothing "
+             "consumed, for anything else (no record, padding, another record, a malformed one: the "
+             "Python path reads it and says what is wrong).");
+
+static PyObject *
+Link_recv(Link *self, PyObject *conn)
+{
+    if (!self->open)
+        Py_RETURN_NONE;
+    uint64_t head = self->in_head, cap = self->in_cap;
+    uint64_t avail = ld(&self->pw[W_OUT_TAIL]) - head;
+    if (avail == 0 || avail > cap)
+        Py_RETURN_NONE;
+    uint64_t pos = head & (cap - 1);
+    if (pos + 16 + REC_HDR > cap)
+        Py_RETURN_NONE;
+    unsigned char rec[REC_HDR + 16];
+    memcpy(rec, self->in + pos, sizeof rec);  /* read once: the peer may rewrite it */
+    uint32_t n, tag, slot;
+    uint64_t k;
+    memcpy(&n, rec, 4);
+    memcpy(&tag, rec + REC_HDR, 4);
+    memcpy(&slot, rec + REC_HDR + 4, 4);
+    memcpy(&k, rec + REC_HDR + 8, 8);
+    uint64_t need = ((uint64_t)n + 15) & ~(uint64_t)7;
+    if (n < 16 || n > self->max_record || need > avail || pos + need > cap || tag != self->tag
+        || slot >= self->recv_nslots || k > self->recv_slot_size)
+        Py_RETURN_NONE;
+    PyObject *user, *view, *bufs, *msg, *sl, *lo, *hi, *s;
+    if (n == 16) {
+        user = PyDict_New();
+    } else {
+        PyObject *raw = PyBytes_FromStringAndSize((const char *)self->in + pos + REC_HDR + 16, n - 16);
+        if (raw == NULL)
+            return NULL;
+        user = PyObject_CallOneArg(self->unpack, raw);
+        Py_DECREF(raw);
+        if (user == NULL) {  /* garbage: the Python path raises the ProtocolError */
+            if (!PyErr_ExceptionMatches(PyExc_Exception))
+                return NULL;  /* KeyboardInterrupt, MemoryError...: not ours to hide */
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+    }
+    if (user == NULL)
+        return NULL;
+    uint64_t base = (uint64_t)slot * self->recv_stride;
+    lo = PyLong_FromUnsignedLongLong(base);
+    hi = PyLong_FromUnsignedLongLong(base + k);
+    sl = (lo && hi) ? PySlice_New(lo, hi, NULL) : NULL;
+    Py_XDECREF(lo);
+    Py_XDECREF(hi);
+    view = sl ? PyObject_GetItem(self->recv_mem, sl) : NULL;
+    Py_XDECREF(sl);
+    if (view == NULL) {
+        Py_DECREF(user);
+        return NULL;
+    }
+    bufs = PyList_New(1);
+    if (bufs == NULL) {
+        Py_DECREF(user);
+        Py_DECREF(view);
+        return NULL;
+    }
+    PyList_SET_ITEM(bufs, 0, view);
+    s = PyLong_FromUnsignedLong(slot);
+    msg = s ? msg_type->tp_alloc(msg_type, 0) : NULL;
+    if (msg == NULL || PyMember_SetOne((char *)msg, m_header, user) < 0
+        || PyMember_SetOne((char *)msg, m_buffers, bufs) < 0
+        || PyMember_SetOne((char *)msg, m_released, Py_False) < 0
+        || PyMember_SetOne((char *)msg, m_conn, conn) < 0 || PyMember_SetOne((char *)msg, m_token, s) < 0) {
+        Py_XDECREF(msg);
+        msg = NULL;
+    }
+    Py_DECREF(user);
+    Py_DECREF(bufs);
+    Py_XDECREF(s);
+    if (msg == NULL)
+        return NULL;
+    /* consumed: its ring space goes back, and we re-arm (see shm.py's recv) */
+    self->in_head = head + need;
+    st(&self->pw[W_OUT_HEAD], head + need);
+    st(&self->w[W_ARMED_DATA], 1);
+    if (ld(&self->pw[W_ARMED_SPACE]))
+        ring(self);  /* the peer waits for ring space */
+    uint64_t rung = ld(&self->w[W_RUNG]);
+    if (rung != self->rung_seen) {  /* we were rung for this record: unread, the fd stays readable */
+        uint64_t v;
+        if (read(self->bell_fd, &v, sizeof v) < 0) { /* EAGAIN: nothing to clear */ }
+        self->rung_seen = rung;
+    }
+    self->msgs_in += 1;
+    self->bytes_in += k;
+    return msg;
+}
+
+static int
+give_back(Link *self, unsigned long slot)
+{
+    if (!self->open || slot > UINT32_MAX)
+        return -1;
+    uint64_t tail = self->ret_tail;
+    if (tail - ld(&self->pw[W_RET_HEAD]) >= self->pret_cap)
+        return -1;  /* more returned than the peer has: it corrupted its head */
+    self->pret[tail & (self->pret_cap - 1)] = (uint32_t)slot;
+    self->ret_tail = tail + 1;
+    st(&self->pw[W_RET_TAIL], tail + 1);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);  /* the return (store) before "armed" (load) */
+    if (ld(&self->pw[W_ARMED_SPACE]))
+        ring(self);
+    return 0;
+}
+
+PyDoc_STRVAR(give_back_doc, "give_back(slot)\n--\n\nReturn the peer's slot ``slot`` on its return "
+             "ring (the credit), ringing it if it waits; 0, or -1 if the ring is corrupted (the "
+             "peer moved its head) or the link closed.");
+
+static PyObject *
+Link_give_back(Link *self, PyObject *arg)
+{
+    unsigned long slot = PyLong_AsUnsignedLong(arg);
+    if (slot == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    return PyLong_FromLong(give_back(self, slot));
+}
+
+PyDoc_STRVAR(ring_doc, "ring()\n--\n\nRing the peer's doorbell (W_RUNG_AT, the eventfd, W_RUNG).");
+
+static PyObject *
+Link_ring(Link *self, PyObject *unused)
+{
+    if (self->open)
+        ring(self);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Link_methods[] = {
+    {"send", (PyCFunction)(void (*)(void))Link_send, METH_FASTCALL, send_doc},
+    {"recv", (PyCFunction)Link_recv, METH_O, recv_doc},
+    {"give_back", (PyCFunction)Link_give_back, METH_O, give_back_doc},
+    {"ring", (PyCFunction)Link_ring, METH_NOARGS, ring_doc},
+    {"close", (PyCFunction)Link_close, METH_NOARGS, close_doc},
+    {NULL},
+};
+
+static PyMemberDef Link_members[] = {
+    {"out_tail", T_ULONGLONG, offsetof(Link, out_tail), 0, "bytes we published in our ring"},
+    {"in_head", T_ULONGLONG, offsetof(Link, in_head), 0, "bytes we consumed from the peer's ring"},
+    {"ret_tail", T_ULONGLONG, offsetof(Link, ret_tail), 0, "slot ids we returned to the peer"},
+    {"rung_sent", T_ULONGLONG, offsetof(Link, rung_sent), 0, "times we rang the peer"},
+    {"rung_seen", T_ULONGLONG, offsetof(Link, rung_seen), 0, "the peer's ring count we cleared for"},
+    {"msgs_in", T_ULONGLONG, offsetof(Link, msgs_in), 0, "messages received here, not yet in stats"},
+    {"bytes_in", T_ULONGLONG, offsetof(Link, bytes_in), 0, "their payload bytes"},
+    {"msgs_out", T_ULONGLONG, offsetof(Link, msgs_out), 0, "messages sent here, not yet in stats"},
+    {"bytes_out", T_ULONGLONG, offsetof(Link, bytes_out), 0, "their payload bytes"},
+    {"open", T_INT, offsetof(Link, open), READONLY, "1 until close()"},
+    {NULL},
+};
+
+static PyTypeObject LinkType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "transport._shmfast.Link",
+    .tp_doc = PyDoc_STR("One shm connection's compiled fast path (see transport/shm.py)."),
+    .tp_basicsize = sizeof(Link),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Link_init,
+    .tp_dealloc = (destructor)Link_dealloc,
+    .tp_methods = Link_methods,
+    .tp_members = Link_members,
+};
+
+/* A message of the bound class, released: what shm.py's _SlotMessage.release does (the
+ * views released, the slot given back, a corrupted return ring made the connection's
+ * error), for messages whose connection has a Link. */
+static PyObject *
+message_release(PyObject *msg, PyObject *unused)
+{
+    PyObject *v = PyMember_GetOne((char *)msg, m_released);
+    if (v == NULL)
+        return NULL;
+    int done = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    if (done)
+        Py_RETURN_NONE;
+    PyObject *empty = PyList_New(0);
+    PyObject *bufs = PyMember_GetOne((char *)msg, m_buffers);
+    if (empty == NULL || bufs == NULL || PyMember_SetOne((char *)msg, m_released, Py_True) < 0
+        || PyMember_SetOne((char *)msg, m_buffers, empty) < 0) {
+        Py_XDECREF(empty);
+        Py_XDECREF(bufs);
+        return NULL;
+    }
+    Py_DECREF(empty);
+    if (PyList_Check(bufs)) {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(bufs); i++) {
+            PyObject *r = PyObject_CallMethodNoArgs(PyList_GET_ITEM(bufs, i), s_release);
+            if (r == NULL) {  /* BufferError: still exported (as in Python, it propagates) */
+                Py_DECREF(bufs);
+                return NULL;
+            }
+            Py_DECREF(r);
+        }
+    }
+    Py_DECREF(bufs);
+    PyObject *conn = PyMember_GetOne((char *)msg, m_conn);
+    if (conn == NULL || PyMember_SetOne((char *)msg, m_conn, Py_None) < 0) {
+        Py_XDECREF(conn);
+        return NULL;
+    }
+    if (conn == Py_None) {
+        Py_DECREF(conn);
+        Py_RETURN_NONE;
+    }
+    PyObject *state = PyObject_GetAttr(conn, s_state);
+    PyObject *link = state ? PyObject_GetAttr(conn, s_link) : NULL;
+    PyObject *token = link ? PyMember_GetOne((char *)msg, m_token) : NULL;
+    PyObject *ret = NULL;
+    if (token != NULL) {
+        long st_ = PyLong_AsLong(state);
+        unsigned long slot = PyLong_AsUnsignedLong(token);
+        if (PyErr_Occurred()) {
+            /* not ours: leave it to the error */
+        } else if (st_ >= broken_state || !PyObject_TypeCheck(link, &LinkType)) {  /* torn down, or no Link */
+            ret = Py_NewRef(Py_None);
+        } else if (give_back((Link *)link, slot) < 0) {
+            PyObject *why = PyUnicode_FromString("more slots returned than the peer has");
+            PyObject *err = why ? PyObject_CallOneArg(protocol_error, why) : NULL;
+            ret = err ? PyObject_CallMethodOneArg(conn, s_release_failed, err) : NULL;
+            Py_XDECREF(why);
+            Py_XDECREF(err);
+        } else {
+            ret = Py_NewRef(Py_None);
+        }
+    }
+    Py_XDECREF(token);
+    Py_XDECREF(link);
+    Py_XDECREF(state);
+    Py_DECREF(conn);
+    if (ret == NULL)
+        return NULL;
+    Py_DECREF(ret);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef release_def = {"release", message_release, METH_NOARGS,
+                                  "Hand the buffers back and return the slot to the peer (the credit)."};
+
+static PyMemberDef *
+slot_of(PyObject *cls, const char *name)
+{
+    PyObject *d = PyObject_GetAttrString(cls, name);
+    if (d == NULL)
+        return NULL;
+    if (!Py_IS_TYPE(d, &PyMemberDescr_Type) || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
+        PyErr_Format(PyExc_TypeError, "%R.%s is not a __slots__ member", cls, name);
+        Py_DECREF(d);
+        return NULL;
+    }
+    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+    Py_DECREF(d);  /* the class keeps the descriptor alive */
+    return m;
+}
+
+PyDoc_STRVAR(bind_doc, "bind(msg_cls, protocol_error, broken)\n--\n\nThe message class recv makes "
+             "(a transport.base.Message subclass: its slots header, buffers, released, _conn, _token are "
+             "set directly), the error a corrupted return ring is reported as, and the first "
+             "connection state in which nothing is given back; returns the ``release`` method to "
+             "install on the class.");
+
+static PyObject *
+bind(PyObject *mod, PyObject *args)
+{
+    PyObject *cls, *err;
+    long broken;
+    if (!PyArg_ParseTuple(args, "O!Ol", &PyType_Type, &cls, &err, &broken))
+        return NULL;
+    PyMemberDef *h = slot_of(cls, "header"), *b = h ? slot_of(cls, "buffers") : NULL,
+                *r = b ? slot_of(cls, "released") : NULL, *c = r ? slot_of(cls, "_conn") : NULL,
+                *t = c ? slot_of(cls, "_token") : NULL;
+    if (t == NULL)
+        return NULL;
+    Py_INCREF(cls);
+    Py_INCREF(err);
+    Py_XSETREF(msg_type, (PyTypeObject *)cls);
+    Py_XSETREF(protocol_error, err);
+    m_header = h, m_buffers = b, m_released = r, m_conn = c, m_token = t;
+    broken_state = broken;
+    return PyDescr_NewMethod((PyTypeObject *)cls, &release_def);
+}
+
+static PyMethodDef module_methods[] = {
+    {"bind", bind, METH_VARARGS, bind_doc},
+    {NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "transport._shmfast",
+    "shm://'s compiled fast path for the one-slot fast record (transport/shm.py owns the protocol).",
+    -1, module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__shmfast(void)
+{
+    if (PyType_Ready(&LinkType) < 0)
+        return NULL;
+    if (!(s_state = PyUnicode_InternFromString("_state")) || !(s_link = PyUnicode_InternFromString("_link"))
+        || !(s_release = PyUnicode_InternFromString("release"))
+        || !(s_release_failed = PyUnicode_InternFromString("_release_failed")))
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&LinkType);
+    if (PyModule_AddObject(m, "Link", (PyObject *)&LinkType) < 0) {
+        Py_DECREF(&LinkType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
