@@ -219,3 +219,38 @@ def test_default_connections_take_the_compiled_path():
             assert type(m) is shm._NativeSlotMessage and m.header == {}
     finally:
         c.close(), s.close(), lst.close()
+
+
+@needs_native
+def test_compiled_send_and_alloc_decline_to_the_python_path_which_raises():
+    """What the compiled send and alloc do not take (a header msgpack cannot pack, another
+    pool's slot, two buffers, a pool with no free slot, a peer gone) gets the Python path's
+    answer: the same error, the slot back in the pool, nothing written."""
+    lst, c, s = _pair(None, None)
+    try:
+        assert c.native
+        free = c.send_pool.available
+        with pytest.raises(TypeError, match="msgpack"):
+            c.send({"x": object()}, [c.alloc(4)])
+        assert c.send_pool.available == free and c.stats.messages_sent == 0
+        with pytest.raises(ValueError):
+            c.alloc(c.max_message + 1)
+        c.send({"n": 2}, (c.alloc(2), b"ab"))  # two buffers: the general record
+        other = s.alloc(3)  # a slot of another pool is not ours to describe: refused, not sent
+        with pytest.raises(TypeError):
+            c.send({"n": 3}, [other])
+        other.release()
+        with s.recv(timeout=5) as m:
+            assert m.header == {"n": 2} and type(m) is not shm._NativeSlotMessage
+        assert not s.pending()
+        held = [c.alloc(1) for _ in range(c.send_pool.nslots)]
+        with pytest.raises(transport.Timeout):
+            c.alloc(1, timeout=0.05)
+        for h in held:
+            h.release()
+        s.close()
+        with pytest.raises(transport.ConnectionClosed):
+            for _ in range(20):
+                c.send({}, [c.alloc(1)], timeout=1)
+    finally:
+        c.close(), s.close(), lst.close()

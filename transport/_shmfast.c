@@ -37,9 +37,11 @@
 
 /* bind(): the message class this module makes and releases, its slots, and what a
  * release needs to know about the connection (transport/base.py's lifecycle) */
-static PyTypeObject *msg_type;
+static PyTypeObject *msg_type, *slot_type;
 static PyMemberDef *m_header, *m_buffers, *m_released, *m_conn, *m_token;
-static PyObject *protocol_error, *s_state, *s_link, *s_release, *s_release_failed;
+static PyMemberDef *m_pool, *m_index, *m_nbytes;  /* transport.pool.Slot's */
+static PyObject *packer;  /* a user header's msgpack bytes */
+static PyObject *protocol_error, *s_state, *s_link, *s_release, *s_release_failed, *s_pop, *s_append;
 static long broken_state;
 
 typedef struct {
@@ -56,6 +58,9 @@ typedef struct {
     uint32_t tag;                   /* framing.TAG_FAST */
     int bell_fd, peer_bell_fd;
     PyObject *recv_mem, *unpack;
+    /* attach_pool(): our send pool's free list, so alloc() pops it as BufferPool does */
+    PyObject *pool, *free, *in_use, *slots;
+    long long max_message;
     /* cursors shared with shm.py (see shmring.Cursors) */
     unsigned long long out_tail, in_head, ret_tail, rung_sent, rung_seen;
     /* messages through this path, folded into ConnectionStats by shm.py */
@@ -182,6 +187,10 @@ release_all(Link *self)
     }
     Py_CLEAR(self->recv_mem);
     Py_CLEAR(self->unpack);
+    Py_CLEAR(self->pool);
+    Py_CLEAR(self->free);
+    Py_CLEAR(self->in_use);
+    Py_CLEAR(self->slots);
 }
 
 static void
@@ -206,6 +215,38 @@ PyDoc_STRVAR(send_doc, "send(slot, nbytes, user)\n--\n\nWrite the fast record fo
              "the peer if it sleeps; 0. -1, with nothing written, when the record needs the Python path "
              "(ring padding, a full ring, a header too large, a corrupted head, a closed link).");
 
+/* The fast record for ``nbytes`` of our slot ``slot``, published; -1 (nothing written)
+ * when it needs the Python path. */
+static int
+send_record(Link *self, unsigned long long slot, unsigned long long nbytes, const char *user, Py_ssize_t ulen)
+{
+    if (!self->open || slot > UINT32_MAX)
+        return -1;
+    uint64_t n = 16 + (uint64_t)ulen;
+    if (n > self->max_record)
+        return -1;
+    uint64_t need = (n + 15) & ~(uint64_t)7;  /* REC_HDR + n rounded up to 8 */
+    uint64_t old = self->out_tail, cap = self->out_cap;
+    uint64_t pos = old & (cap - 1);
+    uint64_t used = old - ld(&self->w[W_OUT_HEAD]);
+    if (pos + need > cap || used > cap - need)  /* padding first, no room, or a corrupted head */
+        return -1;
+    unsigned char *p = self->out + pos;
+    uint32_t hdr[4] = {(uint32_t)n, 0, self->tag, (uint32_t)slot};
+    memcpy(p, hdr, sizeof hdr);
+    memcpy(p + 16, &nbytes, 8);
+    if (ulen)
+        memcpy(p + REC_HDR + 16, user, (size_t)ulen);
+    self->out_tail = old + need;
+    st(&self->w[W_OUT_TAIL], old + need);  /* publish: after the record's bytes */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);  /* the tail (store) before "armed" and head (loads) */
+    if (ld(&self->pw[W_ARMED_DATA]) && ld(&self->w[W_OUT_HEAD]) == old)
+        ring(self);  /* armed, and it had taken all but our record */
+    self->msgs_out += 1;
+    self->bytes_out += nbytes;
+    return 0;
+}
+
 static PyObject *
 Link_send(Link *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -222,31 +263,161 @@ Link_send(Link *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     if (PyBytes_AsStringAndSize(args[2], &user, &ulen) < 0)
         return NULL;
-    if (!self->open || slot > UINT32_MAX)
+    return PyLong_FromLong(send_record(self, slot, nbytes, user, ulen));
+}
+
+/* conn._state == OPEN (0); -1 with an error set if it cannot be read */
+static int
+conn_open(PyObject *conn)
+{
+    PyObject *v = PyObject_GetAttr(conn, s_state);
+    if (v == NULL)
+        return -1;
+    long st_ = PyLong_AsLong(v);
+    Py_DECREF(v);
+    if (st_ == -1 && PyErr_Occurred())
+        return -1;
+    return st_ == 0;
+}
+
+PyDoc_STRVAR(send_message_doc, "send_message(conn, header, buffers)\n--\n\nShmConnection.send's "
+             "fast path whole: ``buffers`` one Slot of our send pool, ``conn`` open, the header "
+             "packed ({} as no bytes) into a fast record that fits; 0. -1 when anything is otherwise "
+             "(the Python path then sends it, or raises what is wrong), nothing written.");
+
+static PyObject *
+Link_send_message(Link *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "send_message(conn, header, buffers)");
+        return NULL;
+    }
+    PyObject *conn = args[0], *header = args[1], *buffers = args[2], *b;
+    if (!self->open || self->pool == NULL || slot_type == NULL)
         return PyLong_FromLong(-1);
-    uint64_t n = 16 + (uint64_t)ulen;
-    if (n > self->max_record)
+    if (PyList_CheckExact(buffers) && PyList_GET_SIZE(buffers) == 1)
+        b = PyList_GET_ITEM(buffers, 0);
+    else if (PyTuple_CheckExact(buffers) && PyTuple_GET_SIZE(buffers) == 1)
+        b = PyTuple_GET_ITEM(buffers, 0);
+    else
         return PyLong_FromLong(-1);
-    uint64_t need = (n + 15) & ~(uint64_t)7;  /* REC_HDR + n rounded up to 8 */
-    uint64_t old = self->out_tail, cap = self->out_cap;
-    uint64_t pos = old & (cap - 1);
-    uint64_t used = old - ld(&self->w[W_OUT_HEAD]);
-    if (pos + need > cap || used > cap - need)  /* padding first, no room, or a corrupted head */
+    if (Py_TYPE(b) != slot_type)
         return PyLong_FromLong(-1);
-    unsigned char *p = self->out + pos;
-    uint32_t hdr[4] = {(uint32_t)n, 0, self->tag, (uint32_t)slot};
-    memcpy(p, hdr, sizeof hdr);
-    memcpy(p + 16, &nbytes, 8);
-    if (ulen)
-        memcpy(p + REC_HDR + 16, user, (size_t)ulen);
-    self->out_tail = old + need;
-    st(&self->w[W_OUT_TAIL], old + need);  /* publish: after the record's bytes */
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);  /* the tail (store) before "armed" and head (loads) */
-    if (ld(&self->pw[W_ARMED_DATA]) && ld(&self->w[W_OUT_HEAD]) == old)
-        ring(self);  /* armed, and it had taken all but our record */
-    self->msgs_out += 1;
-    self->bytes_out += nbytes;
-    return PyLong_FromLong(0);
+    PyObject *bpool = PyMember_GetOne((char *)b, m_pool);
+    if (bpool == NULL)
+        return NULL;
+    Py_DECREF(bpool);
+    if (bpool != self->pool)
+        return PyLong_FromLong(-1);
+    int open = conn_open(conn);
+    if (open <= 0)
+        return open < 0 ? NULL : PyLong_FromLong(-1);
+    PyObject *raw = NULL;
+    char *user = NULL;
+    Py_ssize_t ulen = 0;
+    if (!(PyDict_CheckExact(header) && PyDict_GET_SIZE(header) == 0)) {
+        raw = PyObject_CallOneArg(packer, header);
+        if (raw == NULL) {  /* not serialisable: the Python path raises TypeError */
+            if (!PyErr_ExceptionMatches(PyExc_Exception))
+                return NULL;
+            PyErr_Clear();
+            return PyLong_FromLong(-1);
+        }
+        if (PyBytes_AsStringAndSize(raw, &user, &ulen) < 0) {
+            Py_DECREF(raw);
+            PyErr_Clear();
+            return PyLong_FromLong(-1);
+        }
+    }
+    PyObject *index = PyMember_GetOne((char *)b, m_index), *nbytes = index ? PyMember_GetOne((char *)b, m_nbytes) : NULL;
+    unsigned long long i = index ? PyLong_AsUnsignedLongLong(index) : 0, n = nbytes ? PyLong_AsUnsignedLongLong(nbytes) : 0;
+    Py_XDECREF(index);
+    Py_XDECREF(nbytes);
+    int r = PyErr_Occurred() ? -2 : send_record(self, i, n, user, ulen);
+    Py_XDECREF(raw);
+    if (r == -2) {
+        PyErr_Clear();
+        r = -1;
+    }
+    return PyLong_FromLong(r);
+}
+
+PyDoc_STRVAR(alloc_doc, "alloc(conn, nbytes)\n--\n\nShmConnection.alloc's fast path: the last "
+             "freed slot of the attached pool, sized to ``nbytes``; None (nothing taken) when none is "
+             "free, ``nbytes`` is out of range or ``conn`` is not open (the Python path then waits or "
+             "raises).");
+
+static PyObject *
+Link_alloc(Link *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "alloc(conn, nbytes)");
+        return NULL;
+    }
+    if (!self->open || self->free == NULL || !PyLong_CheckExact(args[1]))
+        Py_RETURN_NONE;
+    long long nbytes = PyLong_AsLongLong(args[1]);
+    if (nbytes == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyObject_Size(self->free);  /* a deque */
+    if (n < 0)
+        return NULL;
+    if (nbytes < 0 || nbytes > self->max_message || n == 0)
+        Py_RETURN_NONE;
+    int open = conn_open(args[0]);
+    if (open <= 0) {
+        if (open < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    PyObject *last = PyObject_CallMethodNoArgs(self->free, s_pop);  /* last freed, first reused */
+    if (last == NULL)
+        return NULL;
+    Py_ssize_t i = PyLong_AsSsize_t(last);
+    if (i < 0 || i >= PyList_GET_SIZE(self->slots) || i >= PyList_GET_SIZE(self->in_use)) {
+        PyObject *r = PyObject_CallMethodOneArg(self->free, s_append, last);  /* put it back */
+        Py_DECREF(last);
+        Py_XDECREF(r);
+        PyErr_Clear();
+        Py_RETURN_NONE;  /* not a free list we understand: BufferPool.try_alloc says */
+    }
+    Py_DECREF(last);
+    PyObject *slot = PyList_GET_ITEM(self->slots, i);
+    PyObject *size = PyLong_FromLongLong(nbytes);
+    if (size == NULL || PyMember_SetOne((char *)slot, m_nbytes, size) < 0) {
+        Py_XDECREF(size);
+        return NULL;
+    }
+    Py_DECREF(size);
+    Py_INCREF(Py_True);
+    PyList_SetItem(self->in_use, i, Py_True);
+    return Py_NewRef(slot);
+}
+
+PyDoc_STRVAR(attach_pool_doc, "attach_pool(pool, free, in_use, slots, max_message)\n--\n\nOur send "
+             "pool (transport.pool.BufferPool) and its free list, in-use flags and slots, for alloc "
+             "and send_message.");
+
+static PyObject *
+Link_attach_pool(Link *self, PyObject *args)
+{
+    PyObject *pool, *free, *in_use, *slots;
+    long long max_message;
+    if (!PyArg_ParseTuple(args, "OOO!O!L", &pool, &free, &PyList_Type, &in_use, &PyList_Type, &slots,
+                          &max_message))
+        return NULL;
+    Py_INCREF(pool);
+    Py_INCREF(free);
+    Py_INCREF(in_use);
+    Py_INCREF(slots);
+    Py_XSETREF(self->pool, pool);
+    Py_XSETREF(self->free, free);
+    Py_XSETREF(self->in_use, in_use);
+    Py_XSETREF(self->slots, slots);
+    self->max_message = max_message;
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(recv_doc, "recv(conn)\n--\n\nThe next record as a message of the bound class "
@@ -389,6 +560,9 @@ Link_ring(Link *self, PyObject *unused)
 
 static PyMethodDef Link_methods[] = {
     {"send", (PyCFunction)(void (*)(void))Link_send, METH_FASTCALL, send_doc},
+    {"send_message", (PyCFunction)(void (*)(void))Link_send_message, METH_FASTCALL, send_message_doc},
+    {"alloc", (PyCFunction)(void (*)(void))Link_alloc, METH_FASTCALL, alloc_doc},
+    {"attach_pool", (PyCFunction)Link_attach_pool, METH_VARARGS, attach_pool_doc},
     {"recv", (PyCFunction)Link_recv, METH_O, recv_doc},
     {"give_back", (PyCFunction)Link_give_back, METH_O, give_back_doc},
     {"ring", (PyCFunction)Link_ring, METH_NOARGS, ring_doc},
@@ -515,18 +689,22 @@ slot_of(PyObject *cls, const char *name)
     return m;
 }
 
-PyDoc_STRVAR(bind_doc, "bind(msg_cls, protocol_error, broken)\n--\n\nThe message class recv makes "
+PyDoc_STRVAR(bind_doc, "bind(msg_cls, protocol_error, broken, slot_cls, packer)\n--\n\nThe message class recv makes "
              "(a transport.base.Message subclass: its slots header, buffers, released, _conn, _token are "
              "set directly), the error a corrupted return ring is reported as, and the first "
-             "connection state in which nothing is given back; returns the ``release`` method to "
-             "install on the class.");
+             "connection state in which nothing is given back, the send pool's slot class and the "
+             "user header packer; returns the ``release`` method to install on the message class.");
 
 static PyObject *
 bind(PyObject *mod, PyObject *args)
 {
-    PyObject *cls, *err;
+    PyObject *cls, *err, *scls, *pack;
     long broken;
-    if (!PyArg_ParseTuple(args, "O!Ol", &PyType_Type, &cls, &err, &broken))
+    if (!PyArg_ParseTuple(args, "O!OlO!O", &PyType_Type, &cls, &err, &broken, &PyType_Type, &scls, &pack))
+        return NULL;
+    PyMemberDef *sp = slot_of(scls, "pool"), *si = sp ? slot_of(scls, "index") : NULL,
+                *sn = si ? slot_of(scls, "nbytes") : NULL;
+    if (sn == NULL)
         return NULL;
     PyMemberDef *h = slot_of(cls, "header"), *b = h ? slot_of(cls, "buffers") : NULL,
                 *r = b ? slot_of(cls, "released") : NULL, *c = r ? slot_of(cls, "_conn") : NULL,
@@ -537,6 +715,11 @@ bind(PyObject *mod, PyObject *args)
     Py_INCREF(err);
     Py_XSETREF(msg_type, (PyTypeObject *)cls);
     Py_XSETREF(protocol_error, err);
+    Py_INCREF(scls);
+    Py_INCREF(pack);
+    Py_XSETREF(slot_type, (PyTypeObject *)scls);
+    Py_XSETREF(packer, pack);
+    m_pool = sp, m_index = si, m_nbytes = sn;
     m_header = h, m_buffers = b, m_released = r, m_conn = c, m_token = t;
     broken_state = broken;
     return PyDescr_NewMethod((PyTypeObject *)cls, &release_def);
@@ -560,7 +743,8 @@ PyInit__shmfast(void)
         return NULL;
     if (!(s_state = PyUnicode_InternFromString("_state")) || !(s_link = PyUnicode_InternFromString("_link"))
         || !(s_release = PyUnicode_InternFromString("release"))
-        || !(s_release_failed = PyUnicode_InternFromString("_release_failed")))
+        || !(s_release_failed = PyUnicode_InternFromString("_release_failed"))
+        || !(s_pop = PyUnicode_InternFromString("pop")) || !(s_append = PyUnicode_InternFromString("append")))
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

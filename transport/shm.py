@@ -248,7 +248,7 @@ class _NativeSlotMessage(_SlotMessage):
 
 
 if _shmfast is not None:
-    _NativeSlotMessage.release = _shmfast.bind(_NativeSlotMessage, ProtocolError, BROKEN)
+    _NativeSlotMessage.release = _shmfast.bind(_NativeSlotMessage, ProtocolError, BROKEN, Slot, _pack)
 
 
 class ShmConnection(Connection):
@@ -284,6 +284,8 @@ class ShmConnection(Connection):
         #: the compiled fast path (transport/_shmfast.c) for fast records, or None
         self._link = self._make_link(seg, peer_seg, bell, peer_bell, cur) if fast and native is not False else None
         self._cur = cur = self._link if self._link is not None else cur  # one set of cursors for both paths
+        if self._link is not None:
+            self._link.attach_pool(pool, self._free, self._in_use, self._slots, self.max_message)
         self._out = RecordWriter(seg.ring, seg.words, cur)
         self._in = RecordReader(peer_seg.ring, peer_seg.words, cur)
         self._in32 = peer_seg.ring.cast("I")  # record length words, read without a struct call
@@ -607,6 +609,11 @@ class ShmConnection(Connection):
         return slot
 
     def alloc(self, nbytes: int, timeout: Optional[float] = None) -> Slot:
+        link = self._link
+        if link is not None:  # compiled: the last freed slot (None: wait or raise below)
+            slot = link.alloc(self, nbytes)
+            if slot is not None:
+                return slot
         free = self._free
         if not free and self._returns.ready() and not self._state:
             self._take_returns()
@@ -627,6 +634,9 @@ class ShmConnection(Connection):
         return slot
 
     def send(self, header: Any, buffers: Sequence = (), timeout: Optional[float] = None) -> None:
+        link = self._link
+        if link is not None and not link.send_message(self, header, buffers):
+            return  # compiled: a one-slot message as a fast record (-1: the paths below)
         if len(buffers) == 1:
             b = buffers[0]
             if b.__class__ is Slot and b.pool is self.send_pool and not self._state:
