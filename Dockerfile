@@ -13,13 +13,16 @@ WORKDIR /app
 COPY setup.cfg pyproject.toml ./
 RUN python -c "import configparser; c = configparser.ConfigParser(); c.read('setup.cfg'); print(c['options']['install_requires'].strip())" > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
-# then the source, installed without touching the dependencies again
-COPY README.md ./
+# then the source, installed without touching the dependencies again; gcc only for as long
+# as setup.py compiles shm://'s fast path (transport/_shmfast.c; the image keeps the .so)
+COPY README.md setup.py ./
 COPY transport ./transport
 COPY workers ./workers
 COPY gateway ./gateway
 COPY bench ./bench
-RUN pip install --no-deps . && rm -rf build *.egg-info
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && pip install --no-deps . && (cd / && python -c "import transport._shmfast") \
+ && apt-get purge -y --auto-remove gcc libc6-dev && rm -rf /var/lib/apt/lists/* build *.egg-info
 # the commit, for moe_build_info (docker build --build-arg MOE_BUILD_COMMIT=$(git rev-parse HEAD) .)
 ARG MOE_BUILD_COMMIT=unknown
 ENV MOE_BUILD_COMMIT=${MOE_BUILD_COMMIT}
