@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import transport
+import transport.shm
 from transport import shmring
 from transport.errors import ConnectionClosed, TransportError
 from transport.shmring import W_ARMED_DATA, W_ARMED_SPACE, W_OUT_HEAD, W_OUT_TAIL, W_RET_HEAD, W_RUNG, W_RUNG_AT
@@ -33,6 +34,7 @@ OPTS = dict(slot_size=4096, nslots=4, timeout=5)
 SERVER = textwrap.dedent("""
     import os, sys
     import transport
+    import transport.shm
     from transport.errors import Timeout, TransportError
     from transport.poller import Poller
 

@@ -254,3 +254,29 @@ def test_compiled_send_and_alloc_decline_to_the_python_path_which_raises():
                 c.send({}, [c.alloc(1)], timeout=1)
     finally:
         c.close(), s.close(), lst.close()
+
+
+@needs_native
+def test_the_public_methods_are_compiled_and_keywords_take_the_python_path():
+    """alloc, send and recv are the extension's methods (no Python frame for the common
+    message); a call with keywords, or one the compiled path declines, gets the Python
+    method's answer, the same messages in order."""
+    assert "ShmConnection" in repr(shm.ShmConnection.recv) and not hasattr(shm.ShmConnection.recv, "__code__")
+    lst, c, s = _pair(None, None)
+    try:
+        for i in range(40):
+            slot = c.alloc(8) if i % 2 else c.alloc(nbytes=8, timeout=5)
+            slot.buf[:] = i.to_bytes(8, "little")
+            if i % 3:
+                c.send({"i": i}, [slot])
+            else:
+                c.send({"i": i}, buffers=[slot], timeout=5)
+            m = s.recv(5) if i % 2 else s.recv(timeout=5)
+            assert m.header == {"i": i} and int.from_bytes(m.buffers[0], "little") == i
+            m.release()
+        with pytest.raises(transport.Timeout):
+            s.recv(0.05)  # nothing there: the Python path waits, bounded
+        with pytest.raises(TypeError):
+            s.recv(1, 2)  # what the Python method says of a bad call
+    finally:
+        c.close(), s.close(), lst.close()

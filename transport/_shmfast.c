@@ -725,7 +725,116 @@ bind(PyObject *mod, PyObject *args)
     return PyDescr_NewMethod((PyTypeObject *)cls, &release_def);
 }
 
+/* ShmConnection's alloc, send and recv when the compiled path is built: the Link's fast
+ * path first (no Python frame at all for the common message), and whatever it declines --
+ * or any call with keywords -- goes to the Python method of the same name with a leading
+ * underscore and "_py" (ShmConnection._alloc_py...), which owns the waiting and the errors. */
+static PyObject *s_alloc_py, *s_send_py, *s_recv_py;
+
+static Link *
+link_of(PyObject *conn)
+{
+    PyObject *link = PyObject_GetAttr(conn, s_link);
+    if (link == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    Py_DECREF(link);  /* the connection keeps it */
+    return PyObject_TypeCheck(link, &LinkType) && ((Link *)link)->open ? (Link *)link : NULL;
+}
+
+static PyObject *
+delegate(PyObject *conn, PyObject *name, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PyObject *meth = PyObject_GetAttr(conn, name);
+    if (meth == NULL)
+        return NULL;
+    PyObject *r = PyObject_Vectorcall(meth, args, nargsf, kwnames);
+    Py_DECREF(meth);
+    return r;
+}
+
+static PyObject *
+conn_alloc(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    Link *link = kwnames == NULL && n >= 1 && n <= 2 ? link_of(conn) : NULL;
+    if (link != NULL) {
+        PyObject *a[2] = {conn, args[0]};
+        PyObject *slot = Link_alloc(link, a, 2);
+        if (slot != Py_None)
+            return slot;  /* a slot, or an error */
+        Py_DECREF(slot);
+    }
+    return delegate(conn, s_alloc_py, args, nargsf, kwnames);
+}
+
+static PyObject *
+conn_send(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    Link *link = kwnames == NULL && n >= 2 && n <= 3 ? link_of(conn) : NULL;
+    if (link != NULL) {
+        PyObject *a[3] = {conn, args[0], args[1]};
+        PyObject *r = Link_send_message(link, a, 3);
+        if (r == NULL)
+            return NULL;
+        long sent = PyLong_AsLong(r);
+        Py_DECREF(r);
+        if (sent == 0)
+            Py_RETURN_NONE;
+    }
+    return delegate(conn, s_send_py, args, nargsf, kwnames);
+}
+
+static PyObject *
+conn_recv(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    Link *link = kwnames == NULL && n <= 1 ? link_of(conn) : NULL;
+    if (link != NULL) {
+        int open = conn_open(conn);  /* a BROKEN or CLOSED connection raises, below */
+        if (open < 0)
+            return NULL;
+        if (open) {
+            PyObject *m = Link_recv(link, conn);
+            if (m != Py_None)
+                return m;
+            Py_DECREF(m);
+        }
+    }
+    return delegate(conn, s_recv_py, args, nargsf, kwnames);
+}
+
+static PyMethodDef conn_alloc_def = {"alloc", (PyCFunction)(void (*)(void))conn_alloc, METH_FASTCALL | METH_KEYWORDS,
+                                     "alloc(nbytes, timeout=None)\n--\n\nA send slot (see Connection.alloc)."};
+static PyMethodDef conn_send_def = {"send", (PyCFunction)(void (*)(void))conn_send, METH_FASTCALL | METH_KEYWORDS,
+                                    "send(header, buffers=(), timeout=None)\n--\n\nSee Connection.send."};
+static PyMethodDef conn_recv_def = {"recv", (PyCFunction)(void (*)(void))conn_recv, METH_FASTCALL | METH_KEYWORDS,
+                                    "recv(timeout=None)\n--\n\nSee Connection.recv."};
+
+PyDoc_STRVAR(connection_methods_doc, "connection_methods(cls)\n--\n\n(alloc, send, recv) method "
+             "descriptors for ``cls`` (ShmConnection), which must define _alloc_py, _send_py and _recv_py.");
+
+static PyObject *
+connection_methods(PyObject *mod, PyObject *cls)
+{
+    if (!PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "a class");
+        return NULL;
+    }
+    PyTypeObject *t = (PyTypeObject *)cls;
+    PyObject *a = PyDescr_NewMethod(t, &conn_alloc_def), *b = a ? PyDescr_NewMethod(t, &conn_send_def) : NULL,
+             *c = b ? PyDescr_NewMethod(t, &conn_recv_def) : NULL;
+    PyObject *r = c ? PyTuple_Pack(3, a, b, c) : NULL;
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    Py_XDECREF(c);
+    return r;
+}
+
 static PyMethodDef module_methods[] = {
+    {"connection_methods", connection_methods, METH_O, connection_methods_doc},
     {"bind", bind, METH_VARARGS, bind_doc},
     {NULL},
 };
@@ -744,7 +853,9 @@ PyInit__shmfast(void)
     if (!(s_state = PyUnicode_InternFromString("_state")) || !(s_link = PyUnicode_InternFromString("_link"))
         || !(s_release = PyUnicode_InternFromString("release"))
         || !(s_release_failed = PyUnicode_InternFromString("_release_failed"))
-        || !(s_pop = PyUnicode_InternFromString("pop")) || !(s_append = PyUnicode_InternFromString("append")))
+        || !(s_pop = PyUnicode_InternFromString("pop")) || !(s_append = PyUnicode_InternFromString("append"))
+        || !(s_alloc_py = PyUnicode_InternFromString("_alloc_py")) || !(s_send_py = PyUnicode_InternFromString("_send_py"))
+        || !(s_recv_py = PyUnicode_InternFromString("_recv_py")))
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

@@ -377,7 +377,7 @@ class ShmConnection(Connection):
             return False
         return self._out.room() >= 2 * (REC_HDR + MAX_RECORD)  # room for any record, padding included
 
-    def recv(self, timeout: Optional[float] = None) -> Message:
+    def _recv_py(self, timeout: Optional[float] = None) -> Message:
         if self._state >= BROKEN:
             raise self._closed_error()
         inr = self._in
@@ -608,7 +608,7 @@ class ShmConnection(Connection):
                 slot = pool.try_alloc()
         return slot
 
-    def alloc(self, nbytes: int, timeout: Optional[float] = None) -> Slot:
+    def _alloc_py(self, nbytes: int, timeout: Optional[float] = None) -> Slot:
         link = self._link
         if link is not None:  # compiled: the last freed slot (None: wait or raise below)
             slot = link.alloc(self, nbytes)
@@ -633,7 +633,7 @@ class ShmConnection(Connection):
             slot.nbytes = nbytes
         return slot
 
-    def send(self, header: Any, buffers: Sequence = (), timeout: Optional[float] = None) -> None:
+    def _send_py(self, header: Any, buffers: Sequence = (), timeout: Optional[float] = None) -> None:
         link = self._link
         if link is not None and not link.send_message(self, header, buffers):
             return  # compiled: a one-slot message as a fast record (-1: the paths below)
@@ -692,6 +692,11 @@ class ShmConnection(Connection):
                 self._send_slot(uh, b, timeout)
                 return
         self._send_general(header, buffers, timeout)
+
+    # the public names; where the compiled path is built they are replaced (below the class)
+    # by its methods, which take the common message with no Python frame and hand anything
+    # else to these
+    recv, alloc, send = _recv_py, _alloc_py, _send_py
 
     def _send_fast_slow(self, uh: bytes, n: int, b: Slot, timeout: Optional[float]) -> None:
         """The fast record when the ring needs padding first, or is full (then wait for room)."""
@@ -864,6 +869,10 @@ class ShmConnection(Connection):
                 pass
         self._peer_seg.close()
         self._seg.close()
+
+
+if _shmfast is not None:
+    ShmConnection.alloc, ShmConnection.send, ShmConnection.recv = _shmfast.connection_methods(ShmConnection)
 
 
 # -- listener and connect -----------------------------------------------------------
