@@ -634,7 +634,7 @@ class ShmConnection(Connection):
         return slot
 
     def _send_py(self, header: Any, buffers: Sequence = (), timeout: Optional[float] = None) -> None:
-        link = self._link
+        link = self._link  # (a call with keywords comes here first: the compiled path takes it too)
         if link is not None and not link.send_message(self, header, buffers):
             return  # compiled: a one-slot message as a fast record (-1: the paths below)
         if len(buffers) == 1:
@@ -655,9 +655,6 @@ class ShmConnection(Connection):
                         if n > MAX_FAST_RECORD:
                             self._send_slot(uh, b, timeout)
                             return
-                    link = self._link
-                    if link is not None and not link.send(b.index, b.nbytes, uh):
-                        return  # compiled: written and published (-1: the long way below)
                     # RecordWriter.reserve and commit inlined for a record that fits
                     # without padding (nearly always); anything else goes the long way
                     out = self._out
