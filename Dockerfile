@@ -14,7 +14,9 @@ COPY setup.cfg pyproject.toml ./
 RUN python -c "import configparser; c = configparser.ConfigParser(); c.read('setup.cfg'); print(c['options']['install_requires'].strip())" > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
 # then the source, installed without touching the dependencies again; gcc only for as long
-# as setup.py compiles shm://'s fast path (transport/_shmfast.c; the image keeps the .so)
+# as setup.py compiles shm://'s fast path (transport/_shmfast.c; the image keeps the .so).
+# rdma://'s (transport/_rdmafast.c) needs verbs.h and pyverbs, which this tcp/shm image does
+# not carry: setup.py leaves it out (it is optional), and rdma:// is not served from it.
 COPY README.md setup.py ./
 COPY transport ./transport
 COPY workers ./workers

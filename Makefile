@@ -6,8 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Debian packages: pyverbs/rdma-core (not on PyPI), and the real services the ops tests run
-# gcc and python3-dev: setup.py compiles shm://'s fast path (transport/_shmfast.c)
-APT_PKGS := python3-pyverbs rdma-core ibverbs-providers iproute2 docker-compose prometheus gcc python3-dev
+# gcc and python3-dev: setup.py compiles shm://'s and rdma://'s fast paths (transport/_shmfast.c,
+# transport/_rdmafast.c; libibverbs-dev for the latter's verbs.h)
+APT_PKGS := python3-pyverbs rdma-core ibverbs-providers iproute2 docker-compose prometheus gcc python3-dev libibverbs-dev
 BACKEND ?= shm
 TORCH_VERSION ?= 2.13.0
 OUT := build
@@ -30,10 +31,11 @@ $(STAMP): setup.cfg pyproject.toml setup.py
 
 deps: $(STAMP) native
 
-# shm://'s compiled fast path: `pip install -e` builds it in place; this rebuilds it when
-# the C source changes (shm:// runs its Python path where it is not built)
-NATIVE := transport/_shmfast$(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-$(NATIVE): transport/_shmfast.c setup.py | $(STAMP)
+# the compiled fast paths: `pip install -e` builds them in place; this rebuilds them when
+# the C sources change (shm:// and rdma:// run their Python paths where they are not built)
+EXT := $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+NATIVE := transport/_shmfast$(EXT) transport/_rdmafast$(EXT)
+$(NATIVE) &: transport/_shmfast.c transport/_rdmafast.c setup.py | $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 native: $(NATIVE)
 
@@ -44,7 +46,7 @@ test: $(STAMP) native
 	@mkdir -p $(OUT)
 	@# rdma-marked tests need a device: they run in the rxe guest below (on the host they would only skip)
 	@# MOE_REQUIRE_TORCH=1: the transformers checks fail rather than skip if the extra is missing
-	@# MOE_REQUIRE_NATIVE=1: shm://'s compiled fast path must have been built (its tests fail, not skip)
+	@# MOE_REQUIRE_NATIVE=1: the compiled fast paths must have been built (their tests fail, not skip)
 	MOE_REQUIRE_TORCH=1 MOE_REQUIRE_NATIVE=1 $(PY) -m pytest -q -p no:cacheprovider -m "not rdma" --junitxml=$(OUT)/junit-host.xml tests
 	@# the guest has no torch: transformers' outputs and the checkpoints it checks come from here
 	$(PY) -m tests.models_fixture
@@ -54,7 +56,7 @@ test: $(STAMP) native
 test-host: $(STAMP) native
 	MOE_REQUIRE_TORCH=1 MOE_REQUIRE_NATIVE=1 $(PY) -m pytest -q -m "not rdma" tests
 
-test-rdma: $(STAMP)
+test-rdma: $(STAMP) native
 	$(PY) -m tests.models_fixture
 	$(PY) -m tests.rxe.vm test --out $(OUT)/rdma -- tests/rdma -q
 
@@ -63,7 +65,7 @@ bench: $(STAMP) native
 
 # rdma:// beside perftest (ib_send_lat, ib_send_bw, ib_write_bw) on the rxe device in the guest
 RDMA_SIZES ?= 64,4K,64K,1M
-bench-rdma: $(STAMP)
+bench-rdma: $(STAMP) native
 	@mkdir -p bench-results
 	$(PY) -m tests.rxe.vm run --out bench-results -- python3 -m bench.cli transport --backend rdma \
 	  --sizes $(RDMA_SIZES) --json /mnt/job/out/rdma.json

@@ -1,7 +1,12 @@
-"""Only the compiled fast path lives here (metadata is in setup.cfg): shm://'s one-slot
-messages in C. ``optional``: a machine without a C compiler or Python headers still
-installs, and shm:// runs its Python path (``make deps`` installs both, and CI requires it)."""
+"""Only the compiled fast paths live here (metadata is in setup.cfg): shm://'s one-slot
+messages and rdma://'s small SENDs in C. ``optional``: a machine without a C compiler,
+Python headers or verbs.h still installs, and each backend runs its Python path (``make
+deps`` installs all three, and CI requires both modules)."""
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("transport._shmfast", ["transport/_shmfast.c"], optional=True,
-                             extra_compile_args=["-O2", "-Wall", "-Werror=implicit-function-declaration"])])
+FLAGS = ["-O2", "-Wall", "-Werror=implicit-function-declaration"]
+setup(ext_modules=[
+    Extension("transport._shmfast", ["transport/_shmfast.c"], optional=True, extra_compile_args=FLAGS),
+    # only verbs.h's inline calls: it needs the header (libibverbs-dev), not the library
+    Extension("transport._rdmafast", ["transport/_rdmafast.c"], optional=True, extra_compile_args=FLAGS),
+])

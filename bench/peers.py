@@ -187,9 +187,10 @@ class MoeTransportPeer(Peer):
         super().__init__(max_size, **options)
         self.url = url
         self.backend = url.split("://", 1)[0]
-        # shm only: native=False is the Python path of the fast record, a row of its own
-        # beside the compiled one (transport/_shmfast.c), so the gain is a ratio of one run
-        self._conn_opts = {} if self.backend != "shm" or native is None else {"native": native}
+        # shm and rdma: native=False is the Python path of the fast record, a row of its own
+        # beside the compiled one (transport/_shmfast.c, _rdmafast.c), so the gain is a ratio
+        # of one run
+        self._conn_opts = {} if self.backend not in ("shm", "rdma") or native is None else {"native": native}
         if native is False:
             self.impl, self.label = "moe-transport-py", "moe-transport, Python"
         self.descriptor_moves_bytes = self.backend != "shm"  # shm passes the slot, never its bytes

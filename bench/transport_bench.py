@@ -192,8 +192,8 @@ def zmq_medium(backend: str) -> str:
 def table_peers(backend: str) -> list[tuple[str, str]]:
     """(impl, medium) of the rows shown in a backend's table, ours first."""
     rows = [("moe-transport", backend), ("raw", backend), ("pyzmq", zmq_medium(backend)), ("pipe", "pipe")]
-    if backend == "shm":  # the fast record's Python path beside the compiled one
-        rows.insert(1, ("moe-transport-py", "shm"))
+    if backend in ("shm", "rdma"):  # the fast path's Python side beside the compiled one
+        rows.insert(1, ("moe-transport-py", backend))
     if backend == "rdma":
         rows.append(("perftest", "rdma"))
     return rows
@@ -206,9 +206,10 @@ def make_peers(backend: str, max_size: int, with_peers: bool, *, slot_size: Opti
     if not with_peers:
         return ours
     others: list[peers.Peer] = []
-    if backend == "shm":
-        from transport import shm
-        if shm.NATIVE_AVAILABLE:  # else both rows would be the Python path
+    if backend in ("shm", "rdma"):
+        from transport import rdma_conn, shm
+        built = shm.NATIVE_AVAILABLE if backend == "shm" else rdma_conn._rdmafast is not None
+        if built:  # else both rows would be the Python path
             others.append(peers.MoeTransportPeer(max_size, _url(backend), slot_size=slot_size, native=False,
                                                  server_cpu=server_cpu))
     floor = {"tcp": peers.RawTcpPeer, "shm": peers.ShmFloorPeer, "rdma": peers.RdmaFloorPeer}[backend]

@@ -7,7 +7,8 @@ Every receive path parses what a peer wrote with the functions of this module, i
 tcp  (transport/stream.py)  :func:`next_frame` on the connection's read buffer
 shm  (transport/shm.py)     :func:`parse_fast_record` (negotiated), :func:`parse_slot_record`,
                             then :func:`parse_record`
-rdma (transport/rdma_conn)  :func:`decode_in_buffer` (a SEND), :func:`decode_in_slot`
+rdma (transport/rdma_conn)  :func:`parse_rdma_fast` (negotiated), :func:`decode_in_buffer`
+                            (a SEND), :func:`decode_in_slot`
                             (a WRITE WITH IMMEDIATE), :func:`decode_credit_message`
 handshakes                  :func:`decode_prefix`, :func:`decode_hello`
 ==========================  ==========================================================
@@ -354,6 +355,67 @@ def parse_fast_record(data, p: int, n: int, slot_size: int, nslots: int) -> Opti
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"fast record: undecodable header: {e}") from None
     return user, s, k
+
+
+# -- the negotiated fast SEND (rdma) ---------------------------------------------------
+# A receiver that announces CAP_RDMA_FAST in its QP HELLO also reads the common small
+# message (one buffer, a small header, credits that are counts only) in a fixed-width form,
+# which transport/_rdmafast.c writes and reads without msgpack. The payload follows the
+# head and the user header at the next ALIGN boundary, as in a DATA frame; a message that
+# returns large-message slots, or a sender without the compiled path, uses the DATA frame.
+#
+#     tag     u32  b"MT" | VERSION | RFAST_DATA, as one little-endian u32
+#     nbytes  u32  payload length
+#     credits u16  receive credits returned (small messages the sender released)
+#     acks    u16  credit messages acknowledged
+#     ulen    u32  length of the msgpack user header that follows; 0 means {}
+CAP_RDMA_FAST = "rdma-fast-1"
+RFAST_DATA = 6  # a SEND of rdma:// only, never a Kind: decode_prefix refuses it
+RFAST_HEAD = struct.Struct("<IIHHI")
+RFAST_SIZE = RFAST_HEAD.size  # 16
+RFAST_ALIGN = 64
+TAG_RFAST = struct.unpack("<I", PREFIX.pack(MAGIC, VERSION, RFAST_DATA, 0, 0)[:4])[0]
+MAX_RFAST_COUNT = 0xFFFF  # credits and acks each fit a u16 (nslots <= 4096, nctrl <= 256)
+
+
+def rfast_offset(ulen: int) -> int:
+    """Where a fast SEND's payload starts, for a user header of ``ulen`` bytes."""
+    return (RFAST_SIZE + ulen + RFAST_ALIGN - 1) // RFAST_ALIGN * RFAST_ALIGN
+
+
+def pack_rdma_fast(data, pos: int, user: bytes, nbytes: int, credits: int, acks: int) -> int:
+    """Write a fast SEND's head and user header (b"" for {}) at ``data[pos]``; the payload's
+    offset from ``pos``. The caller checked ``len(user) <= MAX_FAST_USER`` and the counts."""
+    RFAST_HEAD.pack_into(data, pos, TAG_RFAST, nbytes, credits, acks, len(user))
+    if user:
+        q = pos + RFAST_SIZE
+        data[q:q + len(user)] = user
+    return rfast_offset(len(user))
+
+
+def parse_rdma_fast(mem, base: int, length: int, max_payload: int) -> Optional[tuple]:
+    """The SEND of ``length`` bytes at ``mem[base]`` if it is a fast SEND: ``(user, credits,
+    acks, payload_start, nbytes)``; None if its tag says it is something else
+    (:func:`decode_in_buffer` reads those); ProtocolError if it is a malformed fast SEND.
+    Reads nothing outside ``mem[base:base+length]``."""
+    if length < RFAST_SIZE:
+        return None
+    tag, k, credits, acks, ulen = RFAST_HEAD.unpack_from(mem, base)
+    if tag != TAG_RFAST:
+        return None
+    if ulen > MAX_FAST_USER:
+        raise ProtocolError(f"fast SEND: a {ulen}-byte header exceeds the limit of {MAX_FAST_USER}")
+    off = rfast_offset(ulen)
+    if k > max_payload or off + k != length:
+        raise ProtocolError(f"fast SEND of {length} bytes: {ulen} B of header and {k} B of payload "
+                            f"(limit {max_payload})")
+    if not ulen:
+        return {}, credits, acks, base + off, k
+    try:
+        user = unpack_fast_user(mem[base + RFAST_SIZE:base + RFAST_SIZE + ulen])
+    except Exception as e:
+        raise ProtocolError(f"fast SEND: undecodable header: {e}") from None
+    return user, credits, acks, base + off, k
 
 
 # -- registered buffers (rdma) ---------------------------------------------------------

@@ -2,8 +2,9 @@
 
 The listener is a TCP server on ip:port, the side channel that sets a connection up and
 then watches it (transport/rdma_handshake.py); the data path is verbs only
-(transport/rdma_conn.py): small messages by SEND into pre-posted receives, large ones by
-RDMA WRITE WITH IMMEDIATE into slots the receiver advertised, credits returned on release.
+(transport/rdma_conn.py, its common message in C: transport/_rdmafast.c): small messages by
+SEND into pre-posted receives, large ones by RDMA WRITE WITH IMMEDIATE into slots the
+receiver advertised, credits returned on release.
 
 Options of ``listen`` and ``connect`` (same names as the other backends where they exist):
 
@@ -18,6 +19,8 @@ Options of ``listen`` and ``connect`` (same names as the other backends where th
 ``spin``        seconds a wait busy-polls the CQ before it sleeps on the completion channel
 ``secret``      shared secret both ends must prove (transport/handshake.py); default none
 ``max_peer_slot_size``, ``max_peer_nslots``  the most the peer may make us allocate
+``native``      None: the compiled fast path (transport/_rdmafast.c) where it is built;
+                True: require it; False: the Python path
 
 Needs pyverbs (Debian's python3-pyverbs) and a device; without either, ``listen`` and
 ``connect`` raise TransportError saying so (importing this module needs neither).
@@ -96,9 +99,9 @@ def _handshake(sock: socket.socket, role: str, url: str, opts: dict, limits: hs.
 
 def _conn_options(slot_size: int, nslots: int, timeout: float, device: Optional[str],
                   gid_index: Optional[int], ib_port: Optional[int], small_size: int,
-                  spin: float) -> dict:
+                  spin: float, native: Optional[bool]) -> dict:
     return dict(slot_size=slot_size, nslots=nslots, timeout=timeout, device=device,
-                gid_index=gid_index, ib_port=ib_port, small_size=small_size, spin=spin)
+                gid_index=gid_index, ib_port=ib_port, small_size=small_size, spin=spin, native=native)
 
 
 class RdmaListener(Listener):
@@ -107,7 +110,7 @@ class RdmaListener(Listener):
                  gid_index: Optional[int] = None, ib_port: Optional[int] = None,
                  small_size: int = DEFAULT_SMALL_SIZE, spin: float = DEFAULT_SPIN, backlog: int = 128,
                  secret: Any = None, max_peer_slot_size: Optional[int] = None,
-                 max_peer_nslots: Optional[int] = None):
+                 max_peer_nslots: Optional[int] = None, native: Optional[bool] = None):
         require_pyverbs()
         host, port = _parse(address)
         self.secret = hs.as_secret(secret)
@@ -120,7 +123,7 @@ class RdmaListener(Listener):
         self.sock.setblocking(False)
         self.timeout = timeout
         self._opts = _conn_options(slot_size, nslots, timeout, device, gid_index, ib_port,
-                                   small_size, spin)
+                                   small_size, spin, native)
         if host != "0.0.0.0":  # every accepted connection has this local address: same choice
             self._opts["choice"] = self.device
         bound = self.sock.getsockname()
@@ -154,7 +157,8 @@ def connect(address: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = D
             timeout: float = DEFAULT_TIMEOUT, device: Optional[str] = None,
             gid_index: Optional[int] = None, ib_port: Optional[int] = None,
             small_size: int = DEFAULT_SMALL_SIZE, spin: float = DEFAULT_SPIN, secret: Any = None,
-            max_peer_slot_size: Optional[int] = None, max_peer_nslots: Optional[int] = None) -> RdmaConnection:
+            max_peer_slot_size: Optional[int] = None, max_peer_nslots: Optional[int] = None,
+            native: Optional[bool] = None) -> RdmaConnection:
     require_pyverbs()
     host, port = _parse(address)
     secret = hs.as_secret(secret)
@@ -170,7 +174,7 @@ def connect(address: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = D
         raise ConnectionClosed(f"cannot connect to rdma://{address}: {exc}") from None
     try:
         _tune(sock)
-        opts = _conn_options(slot_size, nslots, timeout, device, gid_index, ib_port, small_size, spin)
+        opts = _conn_options(slot_size, nslots, timeout, device, gid_index, ib_port, small_size, spin, native)
         return hs.run(_handshake(sock, "client", f"rdma://{address}", opts, limits, secret),
                       sock.fileno(), deadline, "in the rdma handshake")
     except BaseException:

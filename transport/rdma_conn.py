@@ -1,7 +1,8 @@
 """An established rdma:// connection: the message path, credits, completions and waits.
 
-Message path (every message, small or large, is one framing.py DATA frame: prefix,
-msgpack header, then the payload at the next 64-byte boundary):
+Message path (every message is one framing.py DATA frame: prefix, msgpack header, then the
+payload at the next 64-byte boundary; or, to a peer whose QP HELLO lists CAP_RDMA_FAST, the
+common small message as a fixed-width fast SEND, framing.pack_rdma_fast):
 - The sender's slots have ``ROOM`` registered bytes in front of them; the prefix and header
   are written there, so one scatter entry covers header and payload and the payload is
   never copied (unregistered buffers are copied into a slot once, and counted).
@@ -24,6 +25,15 @@ credit message: a SEND WITH IMMEDIATE (``CTRL_IMM``) carrying msgpack
 Credit messages have their own budget (``nctrl``), acknowledged the same way; the last unit
 of budget is kept for a message that carries acks, so the two sides can never both hold
 credits back for want of budget.
+
+The compiled path (transport/_rdmafast.c, where it is built; ``native=``): the public alloc,
+send and recv are its methods. It posts the fast SEND for a one-slot message that fits a
+receive buffer and returns no large-message slot, polls both CQs without pyverbs objects,
+makes a message of every fast SEND it receives (and posts the receive again on release),
+and spins for a message before the Python wait sleeps; everything else it hands to the
+Python methods below (``_send_py``, ``_on_completions``...), untouched and in order. Both
+paths share the counters (``self._c``: :class:`Counters`, or the extension's Link), so
+either can take the next message; pyverbs keeps the device, PD, MRs, CQs and QP set-up.
 
 Completions: two CQs, each with a completion channel. Waits busy-poll for ``spin``
 seconds, then arm the CQ (req_notify), re-poll (a completion may have raced the arming),
@@ -52,6 +62,13 @@ from . import rdma_handshake as hs
 from .rdma_device import DeviceChoice, pick_device
 from .rdma_verbs import E, PyverbsError, Verbs
 from .timing import RDMA_CLOSE_LINGER
+
+try:  # the compiled fast path (setup.py builds it where verbs.h is installed)
+    from . import _rdmafast
+    NATIVE_ERROR: Optional[str] = None
+except ImportError as exc:
+    _rdmafast = None  # type: ignore[assignment]
+    NATIVE_ERROR = str(exc)
 
 PREFIX = framing.PREFIX
 PREFIX_SIZE = framing.PREFIX_SIZE
@@ -88,6 +105,32 @@ class _RoomPool(BufferPool):
         self._slots = [_RoomSlot(self, i) for i in range(nslots)]
 
 
+class Counters:
+    """The per-message counters of one connection, where the compiled path does not run;
+    transport/_rdmafast.c's Link has the same members, so either path can take the next
+    message."""
+
+    __slots__ = ("tx_credits", "ctrl_budget", "sq_used", "unsig", "wr_seq", "owed_credits", "owed_acks",
+                 "unreturned", "inline_sends")
+
+    def __init__(self) -> None:
+        self.tx_credits = 0  # messages we may send: the peer's free receives
+        self.ctrl_budget = 0  # credit messages we may send
+        self.sq_used = 0  # send queue entries not completed
+        self.unsig = 0  # records posted since the last signaled one
+        self.wr_seq = 0
+        self.owed_credits = 0  # released messages whose credit has not gone back
+        self.owed_acks = 0  # credit messages received and not acknowledged
+        self.unreturned = 0  # data messages received whose credit has not gone back yet
+        self.inline_sends = 0  # messages whose bytes went in the work request
+
+
+class _FastMessage(Message):
+    """A message the compiled path made (its ``release`` is the extension's)."""
+
+    __slots__ = ()
+
+
 def _wc_status(status: int) -> str:
     for name in dir(E):
         if name.startswith("IBV_WC_") and getattr(E, name) == status and "SUCCESS" not in name:
@@ -101,14 +144,19 @@ class RdmaConnection(Connection):
     def __init__(self, sock: socket.socket, url: str, *, slot_size: int, nslots: int,
                  timeout: float, device: Optional[str] = None,
                  gid_index: Optional[int] = None, ib_port: Optional[int] = None,
-                 small_size: int, spin: float, choice: Optional[DeviceChoice] = None):
+                 small_size: int, spin: float, choice: Optional[DeviceChoice] = None,
+                 native: Optional[bool] = None):
         """Local set-up only (device, verbs objects, pools, posted receives): no I/O. The
         handshake (transport/rdma.py) then exchanges :meth:`local_hello` with the peer's,
-        calls :meth:`connect_peer` with it, and :meth:`start` after the READY barrier."""
+        calls :meth:`connect_peer` with it, and :meth:`start` after the READY barrier.
+        ``native``: None uses the compiled path where it is built, True requires it, False
+        is the Python path (the bytes on the wire are the same kinds either way)."""
+        if native and _rdmafast is None:
+            raise TransportError(f"rdma://'s compiled path is not built ({NATIVE_ERROR}); `make native` builds it")
         self.url = url
         self.sock = sock
         self.default_timeout = timeout
-        self.stats = ConnectionStats()
+        self._stats = ConnectionStats()
         self.max_message = 0
         self._spin = spin
         self._torn = False  # verbs objects, pools and the side channel released
@@ -120,21 +168,17 @@ class RdmaConnection(Connection):
         self._ep = self._pub = None
         self._fd_used = False
         self._armed_recv = self._armed_send = False
+        # per-message counters: a Counters here, the compiled Link from start() where it runs
+        self._c = Counters()
+        self._link = None
+        self._native = native
+        self._peer_fast = False
         # sender state
-        self._tx_credits = 0
         self._tx_slots: collections.deque = collections.deque()
         self._tx_free = bytearray()
-        self._ctrl_budget = 0
         self._inflight: collections.deque = collections.deque()  # [wr_id, nwr, slots, hdr]
-        self._sq_used = 0
-        self._unsig = 0  # records posted since the last signaled one
-        self._wr_seq = 0
-        self.inline_sends = 0  # messages whose bytes went in the work request (tests read it)
         # receiver state
-        self._owed_credits = 0
-        self._owed_slots: list = []
-        self._owed_acks = 0
-        self._unreturned = 0  # data messages received whose credit has not gone back yet
+        self._owed_slots: list = []  # mutated in place: the Link holds it
         try:
             self._setup_local(slot_size, nslots, device, gid_index, ib_port, small_size, choice)
         except BaseException:
@@ -163,6 +207,7 @@ class RdmaConnection(Connection):
         rw = E.IBV_ACCESS_LOCAL_WRITE | E.IBV_ACCESS_REMOTE_WRITE
         recv_mr = v.register(self.recv_pool.address, self.recv_pool.length, rw)
         rbuf_mr = v.register(self._rbuf.address, self._rbuf.length, E.IBV_ACCESS_LOCAL_WRITE)
+        self._rbuf_lkey = rbuf_mr.lkey
         v.to_init()
         rb = self._rbuf
         self._rwrs = [v.recv_wr(i, rb.address + i * rb.stride, small_size, rbuf_mr.lkey)
@@ -173,7 +218,7 @@ class RdmaConnection(Connection):
         self._ours = hs.params(gid=v.gid, qpn=v.qpn, psn=self._psn, mtu=v.active_mtu, max_msg=v.max_msg,
                                addr=self.recv_pool.address, rkey=recv_mr.rkey, slot_size=slot_size,
                                room=ROOM, stride=self.recv_pool.stride, nslots=nslots,
-                               small_size=small_size, nctrl=NCTRL)
+                               small_size=small_size, nctrl=NCTRL, caps=[framing.CAP_RDMA_FAST])
 
     def local_hello(self) -> dict:
         """Our queue pair and receive slots, for the peer (rdma_handshake.py's fields)."""
@@ -193,6 +238,7 @@ class RdmaConnection(Connection):
         if self.max_message <= 0:
             raise ProtocolError(f"no room for a message: max_msg {max_msg}, header room {peer['room']}")
         self._peer_small = peer["small_size"]
+        self._peer_fast = framing.CAP_RDMA_FAST in peer.get("caps", ())
         self._peer_nslots = peer["nslots"]
         self._peer_nctrl = peer["nctrl"]
         self._raddr, self._rkey, self._rstride = peer["addr"], peer["rkey"], peer["stride"]
@@ -202,10 +248,10 @@ class RdmaConnection(Connection):
         self._hdr = BufferPool(ROOM, 2 * NCTRL, name=f"send-hdr:{self.url}")
         self._pools.append(self._hdr)
         self._hdr_lkey = v.register(self._hdr.address, self._hdr.length, 0).lkey
-        self._tx_credits = peer["nslots"]
+        self._c.tx_credits = peer["nslots"]
         self._tx_slots.extend(range(peer["nslots"]))
         self._tx_free = bytearray(b"\x01") * peer["nslots"]
-        self._ctrl_budget = peer["nctrl"]
+        self._c.ctrl_budget = peer["nctrl"]
         # signal one send in `_sig_every`: each completion costs a pyverbs WC object
         self._sig_every = max(1, min(16, peer["nslots"] // 4))
         self._flush_at = max(1, nslots // 2)
@@ -231,6 +277,54 @@ class RdmaConnection(Connection):
             ep.register(v.recv_fd, select.EPOLLIN)
             ep.register(self.sock.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
         self._ep.register(v.send_fd, select.EPOLLIN)
+        if self._native is not False and _rdmafast is not None:
+            self._start_link()
+
+    def _start_link(self) -> None:
+        """The compiled path (transport/_rdmafast.c) on pyverbs' QP and CQs, taking over the
+        counters; without it (pyverbs' objects not recognised) the Python path runs."""
+        v, rb, sp = self._verbs, self._rbuf, self.send_pool
+        try:
+            link = _rdmafast.Link(
+                qp=v.qp, qpn=v.qpn, recv_cq=v.recv_cq, send_cq=v.send_cq, rb_addr=rb.address,
+                rb_stride=rb.stride, rb_size=rb.slot_size, rb_lkey=self._rbuf_lkey, nrecv=len(self._rwrs),
+                rb_mem=rb.memory, recv_max=self._recv_max, recv_nslots=self._recv_nslots, pool=sp,
+                free=sp._free, in_use=sp._in_use, slots=sp._slots, sp_addr=sp.address, sp_stride=sp.stride,
+                room=sp.room, sp_lkey=self._send_lkey, max_message=self.max_message,
+                peer_small=self._peer_small, max_inline=self._max_inline, sq_depth=v.sq_depth,
+                sig_every=self._sig_every, flush_at=self._flush_at, ack_at=self._ack_at,
+                peer_nslots=self._peer_nslots, peer_nctrl=self._peer_nctrl, peer_fast=self._peer_fast,
+                spin=self._spin, inbox=self._inbox, inflight=self._inflight, owed_slots=self._owed_slots,
+                tx_slots=self._tx_slots)
+        except LookupError:
+            if self._native:
+                raise TransportError("rdma://'s compiled path does not recognise this pyverbs' QP objects") from None
+            return
+        for name in Counters.__slots__:
+            setattr(link, name, getattr(self._c, name))
+        self._c = self._link = link
+
+    @property
+    def native(self) -> bool:
+        """Whether the compiled path carries this connection's common messages."""
+        return self._link is not None
+
+    @property
+    def stats(self) -> ConnectionStats:
+        link = self._link
+        if link is not None and (link.msgs_in or link.msgs_out):  # the compiled path's, folded in
+            st = self._stats
+            st.messages_received += link.msgs_in
+            st.bytes_received += link.bytes_in
+            st.messages_sent += link.msgs_out
+            st.bytes_sent += link.bytes_out
+            link.msgs_in = link.bytes_in = link.msgs_out = link.bytes_out = 0
+        return self._stats
+
+    @property
+    def inline_sends(self) -> int:
+        """Messages whose bytes went in the work request (tests read it)."""
+        return self._c.inline_sends
 
     # ------------------------------------------------------------------ public API
     def fileno(self) -> int:
@@ -246,17 +340,17 @@ class RdmaConnection(Connection):
     def send_ready(self) -> bool:
         if self._state:
             return False
-        if self._tx_credits <= 0:
+        if self._c.tx_credits <= 0:
             try:
                 self._poll_recv()  # credits come back as completions: look without waiting
             except TransportError:
                 return False
-        return self._tx_credits > 0 and self._sq_used + 2 <= self._verbs.sq_depth
+        return self._c.tx_credits > 0 and self._c.sq_used + 2 <= self._verbs.sq_depth
 
     def in_registered_memory(self, buf) -> bool:
         return self.recv_pool.contains(buf) or self._rbuf.contains(buf)
 
-    def alloc(self, nbytes: int, timeout: Optional[float] = None) -> Slot:
+    def _alloc_py(self, nbytes: int, timeout: Optional[float] = None) -> Slot:
         if self._state:
             raise self._closed_error()
         if not 0 <= nbytes <= self.max_message:
@@ -268,7 +362,7 @@ class RdmaConnection(Connection):
                 self._quiesce()
         return slot.resize(nbytes)
 
-    def recv(self, timeout: Optional[float] = None) -> Message:
+    def _recv_py(self, timeout: Optional[float] = None) -> Message:
         inbox = self._inbox
         if inbox:
             return inbox.popleft()
@@ -276,7 +370,7 @@ class RdmaConnection(Connection):
             raise self._closed_error()
         deadline = None
         while True:
-            if self._sq_used > self._verbs.sq_depth // 2:
+            if self._c.sq_used > self._verbs.sq_depth // 2:
                 self._poll_send()
             self._poll_recv()
             if inbox:
@@ -289,7 +383,7 @@ class RdmaConnection(Connection):
                 deadline = Deadline(timeout, self.default_timeout)
             self._wait(deadline, "waiting for a message")
 
-    def send(self, header: Any, buffers: Sequence = (), timeout: Optional[float] = None) -> None:
+    def _send_py(self, header: Any, buffers: Sequence = (), timeout: Optional[float] = None) -> None:
         pool = self.send_pool if not self._torn else None
         own: list = []  # our send slots: they belong to the transport from here on
         try:
@@ -302,10 +396,10 @@ class RdmaConnection(Connection):
             if len(head) > MAX_HEADER:
                 raise ValueError(f"header of {len(head)} bytes exceeds the limit of {MAX_HEADER}")
             deadline = None
-            if self._tx_credits <= 0:
+            if self._c.tx_credits <= 0:
                 deadline = Deadline(timeout, self.default_timeout)
-                self.stats.credit_stalls += 1
-                while self._tx_credits <= 0:
+                self._stats.credit_stalls += 1
+                while self._c.tx_credits <= 0:
                     if self._state:
                         raise self._closed_error()
                     self._wait(deadline, "waiting for credits")
@@ -319,6 +413,9 @@ class RdmaConnection(Connection):
                 s.release()
         if self._fd_used:
             self._quiesce()
+
+    # the Python methods are the public ones where the compiled path is not built (below)
+    recv, alloc, send = _recv_py, _alloc_py, _send_py
 
     # ------------------------------------------------------------------ sending
     def _segments(self, buffers: Sequence, pool, own: list):
@@ -372,7 +469,7 @@ class RdmaConnection(Connection):
             if mv.ndim != 1 or mv.format != "B":
                 mv = mv.cast("B") if mv.c_contiguous else memoryview(mv.tobytes())
             mem[off:off + n] = mv
-            self.stats.copies += 1
+            self._stats.copies += 1
             if out and out[-1][0] + out[-1][1] == base + off:
                 out[-1] = (out[-1][0], out[-1][1] + n)  # adjacent staged buffers: one segment
             else:
@@ -387,7 +484,7 @@ class RdmaConnection(Connection):
             if not segs:  # header only: it needs registered memory of its own
                 deadline = deadline or Deadline(timeout, self.default_timeout)
                 hdr = self._wait_hdr(deadline)
-            if self._sq_used + max(1, len(segs)) > self._verbs.sq_depth:
+            if self._c.sq_used + max(1, len(segs)) > self._verbs.sq_depth:
                 deadline = deadline or Deadline(timeout, self.default_timeout)
                 self._ensure_sq(max(1, len(segs)), deadline)
         except BaseException:
@@ -420,7 +517,7 @@ class RdmaConnection(Connection):
         mem[pos + PREFIX_SIZE:pos + PREFIX_SIZE + hl] = head
         if extra is not None:
             self._take_owed()
-        self._tx_credits -= 1
+        self._c.tx_credits -= 1
         if small:
             self._post_chain(sges, E.IBV_WR_SEND, 0, None, own, hdr)
         else:
@@ -428,17 +525,17 @@ class RdmaConnection(Connection):
             self._tx_free[s] = 0
             self._post_chain(sges, E.IBV_WR_RDMA_WRITE_WITH_IMM, socket.htonl(s),
                              self._raddr + s * self._rstride, own, hdr)
-        self.stats.messages_sent += 1
-        self.stats.bytes_sent += total
+        self._stats.messages_sent += 1
+        self._stats.bytes_sent += total
 
     def _post_chain(self, sges, opcode, imm, raddr, slots, hdr) -> None:
         """Post one message: one WR per scatter entry (WRITEs to consecutive offsets of the
         remote slot, then the final ``opcode``), the last one signaled if it is due."""
         wr, sge = self._wr, self._sge
-        self._wr_seq += 1
-        wid = self._wr_seq
-        signaled = self._unsig + 1 >= self._sig_every or self.send_pool.available <= self._sig_every
-        self._unsig = 0 if signaled else self._unsig + 1
+        self._c.wr_seq += 1
+        wid = self._c.wr_seq
+        signaled = self._c.unsig + 1 >= self._sig_every or self.send_pool.available <= self._sig_every
+        self._c.unsig = 0 if signaled else self._c.unsig + 1
         last = len(sges) - 1
         # one small SEND goes inline: its bytes are in the work request once posted
         inline = self._max_inline and not last and opcode != E.IBV_WR_RDMA_WRITE and sges[0][1] <= self._max_inline
@@ -463,28 +560,28 @@ class RdmaConnection(Connection):
         except PyverbsError as exc:
             self._fail(f"posting a send failed: {exc}")  # the caller frees the slots
             raise self._closed_error() from None
-        self._sq_used += len(sges)
+        self._c.sq_used += len(sges)
         if inline:  # the slots were read when posted: they are ours again
             for s in slots:
                 s.release()
             if hdr is not None:
                 hdr.release()
             slots, hdr = (), None
-            self.inline_sends += 1
+            self._c.inline_sends += 1
         self._inflight.append([wid, len(sges), slots, hdr])
 
     def _fence(self) -> None:
         """A signaled zero-byte WRITE: completes every unsignaled send before it, so their
         slots come back when nothing else would be signaled."""
-        if self._sq_used + 1 > self._verbs.sq_depth:
+        if self._c.sq_used + 1 > self._verbs.sq_depth:
             return
-        self._unsig = self._sig_every  # force the signal
+        self._c.unsig = self._sig_every  # force the signal
         self._post_chain([(self._hdr.address, 0, self._hdr_lkey)], E.IBV_WR_RDMA_WRITE, 0,
                          self._raddr, [], None)
 
     def _reclaim(self) -> int:
-        n = self._poll_send() if self._sq_used else 0
-        if not n and self._unsig and self._inflight and not self._qp_error:
+        n = self._poll_send() if self._c.sq_used else 0
+        if not n and self._c.unsig and self._inflight and not self._qp_error:
             self._fence()
         return n
 
@@ -510,20 +607,20 @@ class RdmaConnection(Connection):
                 self._wait(deadline, "waiting for the send queue", send=True)
 
     def _ensure_sq(self, nwr: int, deadline: Deadline) -> None:
-        while self._sq_used + nwr > self._verbs.sq_depth:
+        while self._c.sq_used + nwr > self._verbs.sq_depth:
             self._check_usable()
             if not self._reclaim():
                 self._wait(deadline, "waiting for the send queue", send=True)
 
     # ------------------------------------------------------------------ credits
     def _take_owed(self, peek: bool = False):
-        if not (self._owed_credits or self._owed_acks):
+        if not (self._c.owed_credits or self._c.owed_acks):
             return None
-        extra = [self._owed_credits, self._owed_acks, self._owed_slots]
+        extra = [self._c.owed_credits, self._c.owed_acks, list(self._owed_slots)]
         if not peek:
-            self._unreturned -= self._owed_credits
-            self._owed_credits = self._owed_acks = 0
-            self._owed_slots = []
+            self._c.unreturned -= self._c.owed_credits
+            self._c.owed_credits = self._c.owed_acks = 0
+            self._owed_slots.clear()
         return extra
 
     def _release_message(self, token: int) -> None:
@@ -545,25 +642,25 @@ class RdmaConnection(Connection):
             except PyverbsError as exc:
                 self._fail(f"re-posting a receive failed: {exc}")
                 return
-        self._owed_credits += 1
+        self._c.owed_credits += 1
         # batch credit returns, except when the sender has none left (it is waiting)
-        if self._owed_credits >= self._flush_at or self._unreturned >= self._recv_nslots:
+        if self._c.owed_credits >= self._flush_at or self._c.unreturned >= self._recv_nslots:
             self._flush(force=True)
 
     def _flush(self, force: bool = False) -> None:
         """Send a credit message when credits or acks are due (``force``: we are about to
         sleep, so return any credit at all: the peer may be waiting for it)."""
-        oc, oa = self._owed_credits, self._owed_acks
+        oc, oa = self._c.owed_credits, self._c.owed_acks
         if not (oc >= self._flush_at or oa >= self._ack_at or (force and oc)):
             return
         if self._state:
             return
-        budget = self._ctrl_budget
+        budget = self._c.ctrl_budget
         if budget < 1 or (budget == 1 and not oa):  # the last one is kept for acks
             return
-        if self._sq_used + 1 > self._verbs.sq_depth:
+        if self._c.sq_used + 1 > self._verbs.sq_depth:
             self._reclaim()
-            if self._sq_used + 1 > self._verbs.sq_depth:
+            if self._c.sq_used + 1 > self._verbs.sq_depth:
                 return
         hdr = self._hdr.try_alloc()
         if hdr is None:
@@ -573,7 +670,7 @@ class RdmaConnection(Connection):
                 return  # retried at the next wait
         body = _packb(self._take_owed())
         hdr.whole[:len(body)] = body
-        self._ctrl_budget -= 1
+        self._c.ctrl_budget -= 1
         self._post_chain([(self._hdr.address + hdr.offset, len(body), self._hdr_lkey)],
                          E.IBV_WR_SEND_WITH_IMM, socket.htonl(CTRL_IMM), None, [], hdr)
 
@@ -586,23 +683,26 @@ class RdmaConnection(Connection):
                 raise ProtocolError(f"credit for slot {s!r}, which we do not hold")
             free[s] = 1
         self._tx_slots.extend(slots)
-        self._tx_credits += credits
-        self._ctrl_budget += acks
-        if (self._tx_credits > self._peer_nslots or self._ctrl_budget > self._peer_nctrl
-                or len(self._tx_slots) < self._tx_credits):
+        self._c.tx_credits += credits
+        self._c.ctrl_budget += acks
+        if (self._c.tx_credits > self._peer_nslots or self._c.ctrl_budget > self._peer_nctrl
+                or len(self._tx_slots) < self._c.tx_credits):
             raise ProtocolError("the peer returned more credits than it was given")
 
     # ------------------------------------------------------------------ completions
     def _poll_send(self) -> int:
-        n, wcs = self._send_cq.poll(16)
         inflight = self._inflight
-        for wc in wcs:
+        if self._link is not None:
+            n = self._link.poll_send(self)
+        else:
+            n, wcs = self._send_cq.poll(16)
+        for wc in (() if self._link is not None else wcs):
             if wc.status != E.IBV_WC_SUCCESS:
-                self._fail(f"send failed: {_wc_status(wc.status)}")
+                self._send_failed(wc.status)
             wid = wc.wr_id
             while inflight:
                 rec = inflight.popleft()
-                self._sq_used -= rec[1]
+                self._c.sq_used -= rec[1]
                 for s in rec[2]:
                     s.release()
                 if rec[3] is not None:
@@ -616,35 +716,45 @@ class RdmaConnection(Connection):
                     s.release()
                 if rec[3] is not None:
                     rec[3].release()
-            self._sq_used = 0
+            self._c.sq_used = 0
         return n
 
+    def _send_failed(self, status: int) -> None:
+        self._fail(f"send failed: {_wc_status(status)}")
+
     def _poll_recv(self) -> int:
+        """One poll of the receive CQ, processed; the number of completions."""
+        if self._link is not None:
+            return self._link.poll(self)  # fast SENDs in C, the rest through _on_completions
         n, wcs = self._recv_cq.poll(16)
-        if not n:
-            return 0
+        if n:
+            self._on_completions([(wc.wr_id, wc.status, wc.opcode, wc.wc_flags, wc.byte_len, wc.imm_data)
+                                  for wc in wcs])
+        return n
+
+    def _on_completions(self, wcs: list) -> None:
+        """Receive completions ``(wr_id, status, opcode, wc_flags, byte_len, imm_data)``, in
+        the order polled; a protocol error tears the connection down and raises."""
         try:
-            for wc in wcs:
-                if wc.status != E.IBV_WC_SUCCESS:
-                    self._fail(f"receive failed: {_wc_status(wc.status)}")
+            for wr_id, status, op, flags, length, imm in wcs:
+                if status != E.IBV_WC_SUCCESS:
+                    self._fail(f"receive failed: {_wc_status(status)}")
                     continue
-                op = wc.opcode
                 if op == E.IBV_WC_RECV:
-                    if wc.wc_flags & E.IBV_WC_WITH_IMM:
-                        self._on_ctrl(wc.wr_id, wc.byte_len, wc.imm_data)
+                    if flags & E.IBV_WC_WITH_IMM:
+                        self._on_ctrl(wr_id, length, imm)
                     else:
-                        self._on_small(wc.wr_id, wc.byte_len)
+                        self._on_small(wr_id, length)
                 elif op == E.IBV_WC_RECV_RDMA_WITH_IMM:
-                    self._on_large(wc.wr_id, wc.imm_data)
+                    self._on_large(wr_id, imm)
                 else:
                     raise ProtocolError(f"unexpected receive completion opcode {op}")
         except (ProtocolError, ValueError) as exc:
             err = exc if isinstance(exc, ProtocolError) else ProtocolError(str(exc))
             self._abort(f"protocol error: {err}")
             raise err from None
-        if self._owed_acks >= self._ack_at or self._owed_credits >= self._flush_at:
+        if self._c.owed_acks >= self._ack_at or self._c.owed_credits >= self._flush_at:
             self._flush()
-        return n
 
     def _message(self, user, lens, extra, mem, p: int, token: int) -> None:
         """A decoded DATA frame whose payload starts at ``mem[p]``: apply the credits it
@@ -656,16 +766,21 @@ class RdmaConnection(Connection):
         for n in lens:
             bufs.append(mem[p:p + n])
             p += n
-        st = self.stats
+        st = self._stats
         st.messages_received += 1
         st.bytes_received += p - start
-        self._unreturned += 1
+        self._c.unreturned += 1
         self._inbox.append(Message(user, bufs, None, self, token))
 
     def _on_small(self, i: int, length: int) -> None:
         if not 0 <= i < len(self._rwrs):
             raise ProtocolError(f"a receive completion for buffer {i}, which we never posted")
         rb = self._rbuf
+        fast = framing.parse_rdma_fast(rb.memory, i * rb.stride, length, self._recv_max)
+        if fast is not None:  # the compiled sender's fixed-width form (we announced CAP_RDMA_FAST)
+            user, credits, acks, p, k = fast
+            self._message(user, (k,), [credits, acks, []], rb.memory, p, i)
+            return
         kind, user, lens, extra, p = framing.decode_in_buffer(rb.memory, i * rb.stride, length, rb.slot_size,
                                                               self._recv_max)
         if kind == _CLOSE:  # the peer says goodbye
@@ -696,7 +811,7 @@ class RdmaConnection(Connection):
         base = i * self._rbuf.stride
         returned = framing.decode_credit_message(self._rbuf.memory[base:base + length])
         self._qp.post_recv(self._rwrs[i])
-        self._owed_acks += 1
+        self._c.owed_acks += 1
         self._apply(*returned)
 
     # ------------------------------------------------------------------ waiting
@@ -707,9 +822,13 @@ class RdmaConnection(Connection):
         fails (the peer's QP is gone) is how a waiter for credits learns the QP is dead."""
         send = send or bool(self._inflight)
         left = deadline.remaining()
-        if left > 0 and self._spin > 0:
+        spin = self._spin
+        if self._link is not None and self._link.skip_spin:  # the compiled recv spun already
+            self._link.skip_spin = 0
+            spin = 0
+        if left > 0 and spin > 0:
             now = time.monotonic
-            end = now() + min(self._spin, left)
+            end = now() + min(spin, left)
             while True:
                 if self._poll_recv() or (send and self._poll_send()):
                     return
@@ -846,6 +965,8 @@ class RdmaConnection(Connection):
 
     def _teardown(self) -> None:
         self._torn = True
+        if self._link is not None:
+            self._link.close()  # before pyverbs destroys the QP it points at
         for m in self._inbox:
             m._conn = None
         self._inbox.clear()
@@ -869,3 +990,11 @@ class RdmaConnection(Connection):
         for p in self._pools:
             p.close()
         self._pools = []
+
+
+if _rdmafast is not None:
+    # the compiled release, then alloc/send/recv: each takes the common message in C and
+    # hands anything else to the Python method of the same name with "_py"
+    _FastMessage.release = _rdmafast.bind(_FastMessage, _RoomSlot, _packb, framing.unpack_fast_user,  # type: ignore[method-assign]
+                                          TransportError, BROKEN, framing.TAG_RFAST, framing.MAX_FAST_USER)
+    RdmaConnection.alloc, RdmaConnection.send, RdmaConnection.recv = _rdmafast.connection_methods(RdmaConnection)

@@ -22,6 +22,8 @@ objects. Then each side sends one more HELLO frame (framing.py, kind HELLO, a ms
     small_size, nctrl                       receive buffers posted for SENDs: nslots for
                                             data plus nctrl for credit messages, each
                                             small_size bytes
+    caps                                    optional: what else we read, e.g.
+                                            framing.CAP_RDMA_FAST (fast SENDs)
 
 then moves its QP to RTS and sends READY (a HELLO frame ``{"ready": true}``); nobody
 sends on the QP before it has the peer's READY, so no packet meets a QP that is not yet
@@ -76,6 +78,9 @@ def validate(peer: dict) -> dict:
         (peer["addr"] > 0 and peer["addr"] + peer["stride"] * peer["nslots"] < 1 << 64, "bad slot address"),
         (peer["rkey"] < 1 << 32, "bad rkey"),
     ]
+    caps = peer.get("caps", [])
+    checks.append((type(caps) is list and len(caps) <= 16 and all(type(c) is str and len(c) <= 64 for c in caps),
+                   "caps is not a short list of names"))
     for ok, why in checks:
         if not ok:
             raise ProtocolError(f"handshake: {why}")

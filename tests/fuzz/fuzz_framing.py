@@ -6,7 +6,8 @@
 The first input byte picks the target -- tcp's next_frame walk, shm's record parsers
 (fast and full, which must agree), rdma's receive-buffer, slot and credit-message
 decoders, the handshake's HELLO, shm's negotiated fast record, and that record through
-the compiled path (transport/_shmfast.c) against the Python one -- and the rest is what a
+the compiled path (transport/_shmfast.c) against the Python one, rdma's fast SEND through
+framing and the compiled parser (transport/_rdmafast.c) -- and the rest is what a
 peer wrote. Any exception other than ProtocolError, any result that points outside the
 input, or a fast path that disagrees with the full validation, is a crash (atheris saves
 the input).
@@ -22,7 +23,7 @@ import atheris
 with atheris.instrument_imports():
     from transport import framing, shm
     from transport.errors import ProtocolError
-    from transport.testing import shmlink
+    from transport.testing import rdmalink, shmlink
 
 MAX_HEADER, MAX_PAYLOAD = 4096, 1 << 16
 SLOT_SIZE, NSLOTS = 4096, 8
@@ -110,7 +111,17 @@ def _native_record(data: bytes) -> None:
     shmlink.check_recv(rec, head, n, head + ((min(n, 1 << 20) + 15) & ~7))
 
 
-TARGETS = [_next_frame, _records, _in_buffer, _in_slot, _credits, _hello, _fast_record, _native_record]
+def _rdma_fast(data: bytes) -> None:
+    """The first 2 bytes cut the SEND's length short of the buffer (a completion never says
+    more than the buffer holds), the rest is what the peer wrote: rdma's fast SEND through
+    framing and through the compiled parser (transport/_rdmafast.c), which must agree."""
+    if len(data) < 2:
+        return
+    buf = data[2:]
+    rdmalink.check_parse(buf, max(0, len(buf) - data[0] % 65), MAX_PAYLOAD if data[1] & 1 else SMALL)
+
+
+TARGETS = [_next_frame, _records, _in_buffer, _in_slot, _credits, _hello, _fast_record, _native_record, _rdma_fast]
 
 
 def test_one_input(data: bytes) -> None:
@@ -136,7 +147,9 @@ def _seeds() -> list[bytes]:
             bytes([5]) + b"".join(framing.encode_hello({"slot_size": 4096, "nslots": 4})),
             bytes([6]) + framing.FAST_HEAD.pack(framing.TAG_FAST, 2, 100) + b"\x81\xa1k\x01",
             bytes([7]) + (4000).to_bytes(2, "little") + (20).to_bytes(4, "little")
-            + framing.FAST_HEAD.pack(framing.TAG_FAST, 2, 100) + b"\x81\xa1k\x01"]
+            + framing.FAST_HEAD.pack(framing.TAG_FAST, 2, 100) + b"\x81\xa1k\x01",
+            bytes([8, 0, 1]) + framing.RFAST_HEAD.pack(framing.TAG_RFAST, 4, 1, 0, 4) + b"\x81\xa1k\x01"
+            + b"\0" * 44 + b"wxyz"]
 
 
 def main(argv: list[str]) -> None:

@@ -8,12 +8,18 @@ import pytest
 from transport.testing import conformance
 
 
-@pytest.fixture
-def env(rdma_device):
+# "rdma" takes the compiled fast path (transport/_rdmafast.c) where it is built (`make test`
+# requires it), "rdma-python" the Python path on both ends
+PATHS = {"rdma": {}, "rdma-python": {"native": False}}
+
+
+@pytest.fixture(params=list(PATHS))
+def env(rdma_device, request):
     from transport.rdma_device import pick_device
     ip = pick_device().ipv4
     # TCG guest: every time bound gets more slack than on a host
-    with conformance.PairEnv(lambda: f"rdma://{ip}:0", name="rdma", slack=2.0) as env:
+    with conformance.PairEnv(lambda: f"rdma://{ip}:0", name=request.param, options=PATHS[request.param],
+                             slack=2.0) as env:
         yield env
 
 

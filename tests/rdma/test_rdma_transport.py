@@ -172,7 +172,7 @@ def test_credits_mixed_paths_and_slot_return(make_pair):
         keep.append(expect(s, seq, n, hold=True))
         while keep and (len(keep) >= 3 or rng.random() < 0.5):
             keep.pop(rng.randrange(len(keep))).release()
-        assert c._ctrl_budget >= 1 and s._ctrl_budget >= 1
+        assert c._c.ctrl_budget >= 1 and s._c.ctrl_budget >= 1
     for m in keep:
         m.release()
     send(s, 1000, 10)
@@ -185,7 +185,7 @@ def test_unsignaled_sends_are_reclaimed(make_pair):
     c, s = make_pair(slot_size=4096, nslots=16)
     for seq in range(2):
         send(c, seq, 1000)  # a SEND, too large to go inline: its slot waits for a completion
-    assert c._unsig > 0 and c.inline_sends == 0
+    assert c._c.unsig > 0 and c.inline_sends == 0
     held = [c.alloc(10) for _ in range(c.send_pool.available)]
     slot = c.alloc(10, timeout=5)  # not a Timeout
     for x in held + [slot]:
@@ -461,4 +461,4 @@ def test_header_only_ping_pong_piggybacks_credits(make_pair):
         s.send({"r": i})
         with c.recv(timeout=10) as m:
             assert m.header == {"r": i}
-    assert c._ctrl_budget == c._peer_nctrl and s._ctrl_budget == s._peer_nctrl  # none spent
+    assert c._c.ctrl_budget == c._peer_nctrl and s._c.ctrl_budget == s._peer_nctrl  # none spent

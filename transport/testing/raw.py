@@ -52,12 +52,12 @@ def _rdma(conn, frame: bytes) -> None:
     if len(frame) > conn._peer_small:
         raise ValueError(f"a raw frame must fit the peer's receive buffers ({conn._peer_small} B)")
     deadline = Deadline(conn.default_timeout)
-    while conn._tx_credits <= 0:
+    while conn._c.tx_credits <= 0:
         conn._wait(deadline, "waiting for credits")
     hdr = conn._wait_hdr(deadline)
     hdr.whole[:len(frame)] = frame
     conn._ensure_sq(1, deadline)
-    conn._tx_credits -= 1
+    conn._c.tx_credits -= 1
     conn._post_chain([(conn._hdr.address + hdr.offset, len(frame), conn._hdr_lkey)],
                      E.IBV_WR_SEND, 0, None, [], hdr)
 
