@@ -6,7 +6,9 @@ from setuptools import Extension, setup
 
 FLAGS = ["-O2", "-Wall", "-Werror=implicit-function-declaration"]
 setup(ext_modules=[
-    Extension("transport._shmfast", ["transport/_shmfast.c"], optional=True, extra_compile_args=FLAGS),
+    Extension("transport._shmfast", ["transport/_shmfast.c"], depends=["transport/_fastpath.h"], optional=True,
+              extra_compile_args=FLAGS),
     # only verbs.h's inline calls: it needs the header (libibverbs-dev), not the library
-    Extension("transport._rdmafast", ["transport/_rdmafast.c"], optional=True, extra_compile_args=FLAGS),
+    Extension("transport._rdmafast", ["transport/_rdmafast.c"], depends=["transport/_fastpath.h"], optional=True,
+              extra_compile_args=FLAGS),
 ])

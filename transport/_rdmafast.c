@@ -17,10 +17,8 @@
  * Only verbs.h's inline calls are used (ibv_post_send, ibv_post_recv, ibv_poll_cq go
  * through the context's ops): the module does not link libibverbs.
  */
-#define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
-#include <Python.h>
-#include <structmember.h>
+#include "_fastpath.h"
 #include <stdint.h>
 #include <string.h>
 #include <sys/uio.h>
@@ -33,15 +31,12 @@
 #define FAST_ALIGN 64
 
 /* bind(): the classes and helpers shared with rdma_conn.py */
-static PyTypeObject *msg_type, *slot_type;
-static PyMemberDef *m_header, *m_buffers, *m_released, *m_conn, *m_token;
-static PyMemberDef *m_pool, *m_index, *m_nbytes;
+static FastPath fp;
 static PyObject *packer, *unpack, *transport_error;
 static long broken_state, max_user;
 static uint32_t tag_fast;
-static PyObject *s_state, *s_link, *s_release, *s_pop, *s_popleft, *s_append, *s_fd_used, *s_quiesce,
-    *s_flush, *s_on_completions, *s_send_failed, *s_fail, *s_qp_error, *s_release_failed,
-    *s_release_message, *s_alloc_py, *s_send_py, *s_recv_py;
+static PyObject *s_link, *s_popleft, *s_fd_used, *s_quiesce, *s_flush, *s_on_completions, *s_qp_error,
+    *s_release_failed, *s_release_message, *s_alloc_py, *s_send_py, *s_recv_py;
 
 typedef struct {
     PyObject_HEAD
@@ -228,20 +223,6 @@ now(void)
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* conn._state == OPEN (0); -1 with an error set if it cannot be read */
-static int
-conn_open(PyObject *conn)
-{
-    PyObject *v = PyObject_GetAttr(conn, s_state);
-    if (v == NULL)
-        return -1;
-    long st_ = PyLong_AsLong(v);
-    Py_DECREF(v);
-    if (st_ == -1 && PyErr_Occurred())
-        return -1;
-    return st_ == 0;
-}
-
 static int
 call0(PyObject *obj, PyObject *name)
 {
@@ -268,8 +249,8 @@ quiesce_if_fd_used(PyObject *conn)
 static int
 put_slot(Link *self, PyObject *s)
 {
-    if (Py_TYPE(s) == slot_type) {
-        PyObject *p = PyMember_GetOne((char *)s, m_pool), *ix = p ? PyMember_GetOne((char *)s, m_index) : NULL;
+    if (Py_TYPE(s) == fp.slot_type) {
+        PyObject *p = PyMember_GetOne((char *)s, fp.pool), *ix = p ? PyMember_GetOne((char *)s, fp.index) : NULL;
         Py_ssize_t i = ix ? PyLong_AsSsize_t(ix) : -1;
         Py_XDECREF(p);
         Py_XDECREF(ix);
@@ -280,7 +261,7 @@ put_slot(Link *self, PyObject *s)
             PyObject *idx = PyLong_FromSsize_t(i);
             if (idx == NULL)
                 return -1;
-            PyObject *r = PyObject_CallMethodOneArg(self->free, s_append, idx);
+            PyObject *r = PyObject_CallMethodOneArg(self->free, fp.s_append, idx);
             Py_DECREF(idx);
             if (r == NULL)
                 return -1;
@@ -290,7 +271,7 @@ put_slot(Link *self, PyObject *s)
             return 0;
         }
     }
-    return call0(s, s_release);  /* anything else: its own release says what is wrong */
+    return call0(s, fp.s_release);  /* anything else: its own release says what is wrong */
 }
 
 /* ---------------------------------------------------------------- sending */
@@ -300,7 +281,7 @@ static int
 send_fast(Link *self, PyObject *conn, PyObject *header, PyObject *buffers)
 {
     PyObject *b;
-    if (!self->open || !self->peer_fast || slot_type == NULL)
+    if (!self->open || !self->peer_fast || fp.slot_type == NULL)
         return 1;
     if (PyList_CheckExact(buffers) && PyList_GET_SIZE(buffers) == 1)
         b = PyList_GET_ITEM(buffers, 0);
@@ -308,18 +289,18 @@ send_fast(Link *self, PyObject *conn, PyObject *header, PyObject *buffers)
         b = PyTuple_GET_ITEM(buffers, 0);
     else
         return 1;
-    if (Py_TYPE(b) != slot_type)
+    if (Py_TYPE(b) != fp.slot_type)
         return 1;
     if (self->tx_credits <= 0 || self->sq_used + 1 > self->sq_depth || PyList_GET_SIZE(self->owed_slots)
         || self->owed_credits > 0xFFFF || self->owed_acks > 0xFFFF)
         return 1;
-    PyObject *bpool = PyMember_GetOne((char *)b, m_pool);
+    PyObject *bpool = PyMember_GetOne((char *)b, fp.pool);
     if (bpool == NULL)
         return -1;
     Py_DECREF(bpool);
     if (bpool != self->pool)
         return 1;
-    int open = conn_open(conn);
+    int open = fp_conn_open(&fp, conn);
     if (open <= 0)
         return open < 0 ? -1 : 1;
     PyObject *raw = NULL;
@@ -336,7 +317,7 @@ send_fast(Link *self, PyObject *conn, PyObject *header, PyObject *buffers)
         }
     }
     int rc = 1;
-    PyObject *index = PyMember_GetOne((char *)b, m_index), *nb = index ? PyMember_GetOne((char *)b, m_nbytes) : NULL;
+    PyObject *index = PyMember_GetOne((char *)b, fp.index), *nb = index ? PyMember_GetOne((char *)b, fp.nbytes) : NULL;
     long long i = index ? PyLong_AsLongLong(index) : -1, n = nb ? PyLong_AsLongLong(nb) : -1;
     Py_XDECREF(index);
     Py_XDECREF(nb);
@@ -400,7 +381,7 @@ send_fast(Link *self, PyObject *conn, PyObject *header, PyObject *buffers)
     self->msgs_out += 1;
     self->bytes_out += (unsigned long long)n;
     rc = 0;
-    PyObject *r = PyObject_CallMethodOneArg(self->inflight, s_append, rec);
+    PyObject *r = PyObject_CallMethodOneArg(self->inflight, fp.s_append, rec);
     Py_DECREF(rec);
     if (r == NULL)
         rc = -1;
@@ -511,25 +492,12 @@ take_fast(Link *self, PyObject *conn, const struct ibv_wc *wc)
     PyObject *user = user_of(b, &h);
     if (user == NULL)
         return PyErr_Occurred() ? -1 : 0;
-    PyObject *lo = PyLong_FromUnsignedLongLong(base + off), *hi = PyLong_FromUnsignedLongLong(base + off + k);
-    PyObject *sl = (lo && hi) ? PySlice_New(lo, hi, NULL) : NULL;
-    Py_XDECREF(lo);
-    Py_XDECREF(hi);
-    PyObject *view = sl ? PyObject_GetItem(self->rb_mem, sl) : NULL;
-    Py_XDECREF(sl);
-    PyObject *bufs = view ? PyList_New(1) : NULL;
-    PyObject *tok = bufs ? PyLong_FromUnsignedLongLong(wc->wr_id) : NULL;
-    PyObject *msg = tok ? msg_type->tp_alloc(msg_type, 0) : NULL;
-    if (bufs)
-        PyList_SET_ITEM(bufs, 0, Py_NewRef(view));
-    int ok = msg != NULL && PyMember_SetOne((char *)msg, m_header, user) == 0
-             && PyMember_SetOne((char *)msg, m_buffers, bufs) == 0
-             && PyMember_SetOne((char *)msg, m_released, Py_False) == 0
-             && PyMember_SetOne((char *)msg, m_conn, conn) == 0 && PyMember_SetOne((char *)msg, m_token, tok) == 0;
-    PyObject *r = ok ? PyObject_CallMethodOneArg(self->inbox, s_append, msg) : NULL;
+    PyObject *view = fp_slice(self->rb_mem, base + off, base + off + k);
+    PyObject *tok = view ? PyLong_FromUnsignedLongLong(wc->wr_id) : NULL;
+    PyObject *msg = tok ? fp_message(&fp, user, view, conn, tok) : NULL;
+    PyObject *r = msg ? PyObject_CallMethodOneArg(self->inbox, fp.s_append, msg) : NULL;
     Py_DECREF(user);
     Py_XDECREF(view);
-    Py_XDECREF(bufs);
     Py_XDECREF(tok);
     Py_XDECREF(msg);
     if (r == NULL)
@@ -641,7 +609,7 @@ poll_send(Link *self, PyObject *conn)
             if (!bad && PyErr_Occurred())
                 bad = 1;
             if (!bad && hdr != Py_None)
-                bad = call0(hdr, s_release) < 0;
+                bad = call0(hdr, fp.s_release) < 0;
             Py_DECREF(rec);
             if (bad)
                 return -1;
@@ -713,41 +681,13 @@ release_small(Link *self, PyObject *conn, uint64_t i)
 static PyObject *
 message_release(PyObject *msg, PyObject *unused)
 {
-    PyObject *v = PyMember_GetOne((char *)msg, m_released);
-    if (v == NULL)
-        return NULL;
-    int done = PyObject_IsTrue(v);
-    Py_DECREF(v);
+    PyObject *conn, *tok;
+    int done = fp_unhook(&fp, msg, &conn, &tok);
     if (done)
-        Py_RETURN_NONE;
-    PyObject *empty = PyList_New(0);
-    PyObject *bufs = PyMember_GetOne((char *)msg, m_buffers);
-    if (empty == NULL || bufs == NULL || PyMember_SetOne((char *)msg, m_released, Py_True) < 0
-        || PyMember_SetOne((char *)msg, m_buffers, empty) < 0) {
-        Py_XDECREF(empty);
-        Py_XDECREF(bufs);
-        return NULL;
-    }
-    Py_DECREF(empty);
-    if (PyList_Check(bufs)) {
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(bufs); i++) {
-            if (call0(PyList_GET_ITEM(bufs, i), s_release) < 0) {
-                Py_DECREF(bufs);
-                return NULL;
-            }
-        }
-    }
-    Py_DECREF(bufs);
-    PyObject *conn = PyMember_GetOne((char *)msg, m_conn), *tok = conn ? PyMember_GetOne((char *)msg, m_token) : NULL;
-    if (tok == NULL || PyMember_SetOne((char *)msg, m_conn, Py_None) < 0
-        || PyMember_SetOne((char *)msg, m_token, Py_None) < 0) {
-        Py_XDECREF(conn);
-        Py_XDECREF(tok);
-        return NULL;
-    }
+        return done < 0 ? NULL : Py_NewRef(Py_None);
     int rc = 0;
     if (conn != Py_None) {
-        PyObject *state = PyObject_GetAttr(conn, s_state), *link = state ? PyObject_GetAttr(conn, s_link) : NULL;
+        PyObject *state = PyObject_GetAttr(conn, fp.s_state), *link = state ? PyObject_GetAttr(conn, s_link) : NULL;
         long st_ = state ? PyLong_AsLong(state) : -1;
         unsigned long long i = PyLong_AsUnsignedLongLong(tok);
         if (link == NULL || PyErr_Occurred()) {
@@ -831,24 +771,7 @@ static PyTypeObject LinkType = {
 static Link *
 link_of(PyObject *conn)
 {
-    PyObject *link = PyObject_GetAttr(conn, s_link);
-    if (link == NULL) {
-        PyErr_Clear();
-        return NULL;
-    }
-    Py_DECREF(link);  /* the connection keeps it */
-    return PyObject_TypeCheck(link, &LinkType) && ((Link *)link)->open ? (Link *)link : NULL;
-}
-
-static PyObject *
-delegate(PyObject *conn, PyObject *name, PyObject *const *args, size_t nargsf, PyObject *kwnames)
-{
-    PyObject *meth = PyObject_GetAttr(conn, name);
-    if (meth == NULL)
-        return NULL;
-    PyObject *r = PyObject_Vectorcall(meth, args, nargsf, kwnames);
-    Py_DECREF(meth);
-    return r;
+    return (Link *)fp_link_of(conn, s_link, &LinkType);
 }
 
 /* the last freed slot of the send pool sized to nbytes; Py_None when the Python path must */
@@ -864,42 +787,18 @@ pop_slot(Link *self, PyObject *conn, PyObject *nbytes_obj)
     }
     if (nbytes < 0 || nbytes > self->max_message)
         Py_RETURN_NONE;
-    int open = conn_open(conn);
+    int open = fp_conn_open(&fp, conn);
     if (open <= 0) {
         if (open < 0)
             return NULL;
         Py_RETURN_NONE;
     }
-    Py_ssize_t n = PyObject_Size(self->free);
-    if (n < 0)
-        return NULL;
-    if (n == 0 && self->sq_used > 0) {  /* slots come back as send completions */
-        if (poll_send(self, conn) < 0)
-            return NULL;
-        n = PyObject_Size(self->free);
-        if (n < 0)
+    if (self->sq_used > 0) {  /* slots come back as send completions */
+        Py_ssize_t n = PyObject_Size(self->free);
+        if (n < 0 || (n == 0 && poll_send(self, conn) < 0))
             return NULL;
     }
-    if (n == 0)
-        Py_RETURN_NONE;
-    PyObject *last = PyObject_CallMethodNoArgs(self->free, s_pop);
-    if (last == NULL)
-        return NULL;
-    Py_ssize_t i = PyLong_AsSsize_t(last);
-    if (i < 0 || i >= PyList_GET_SIZE(self->slots) || i >= PyList_GET_SIZE(self->in_use)) {
-        PyObject *r = PyObject_CallMethodOneArg(self->free, s_append, last);
-        Py_DECREF(last);
-        Py_XDECREF(r);
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    Py_DECREF(last);
-    PyObject *slot = PyList_GET_ITEM(self->slots, i);
-    if (PyMember_SetOne((char *)slot, m_nbytes, nbytes_obj) < 0)
-        return NULL;
-    Py_INCREF(Py_True);
-    PyList_SetItem(self->in_use, i, Py_True);
-    return Py_NewRef(slot);
+    return fp_pool_pop(&fp, self->free, self->in_use, self->slots, nbytes_obj);
 }
 
 static PyObject *
@@ -913,7 +812,7 @@ conn_alloc(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwnam
             return slot;  /* a slot, or an error */
         Py_DECREF(slot);
     }
-    return delegate(conn, s_alloc_py, args, nargsf, kwnames);
+    return fp_delegate(conn, s_alloc_py, args, nargsf, kwnames);
 }
 
 static PyObject *
@@ -931,7 +830,7 @@ conn_send(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwname
             Py_RETURN_NONE;
         }
     }
-    return delegate(conn, s_send_py, args, nargsf, kwnames);
+    return fp_delegate(conn, s_send_py, args, nargsf, kwnames);
 }
 
 /* the inbox's first message, or Py_None */
@@ -952,13 +851,13 @@ conn_recv(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwname
     Py_ssize_t n = PyVectorcall_NARGS(nargsf);
     Link *link = kwnames == NULL && n <= 1 ? link_of(conn) : NULL;
     if (link == NULL)
-        return delegate(conn, s_recv_py, args, nargsf, kwnames);
+        return fp_delegate(conn, s_recv_py, args, nargsf, kwnames);
     link->skip_spin = 0;
     PyObject *m = pop_inbox(link);
     if (m != Py_None)
         return m;
     Py_DECREF(m);
-    int open = conn_open(conn);
+    int open = fp_conn_open(&fp, conn);
     if (open < 0)
         return NULL;
     double spin = link->spin;
@@ -971,7 +870,7 @@ conn_recv(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwname
         if (t < spin)
             spin = t > 0 ? t : 0;
     }
-    if (open && link->sq_used <= link->sq_depth / 2) {
+    if (open) {
         double end = -1;
         struct ibv_wc wc[NPOLL];
         for (;;) {
@@ -988,12 +887,20 @@ conn_recv(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwname
                     return m;
                 }
                 Py_DECREF(m);
-                if ((open = conn_open(conn)) <= 0) {
-                    if (open < 0)
-                        return NULL;
-                    break;
-                }
             } else if (got < 0) {
+                break;
+            } else if (link->sq_used > 0) {
+                /* our sends complete meanwhile (their slots come back; a failed one is
+                 * how a dead peer shows), as the Python wait watches both CQs */
+                got = poll_send(link, conn);
+                if (got < 0)
+                    return NULL;
+                if (!link->open)
+                    break;
+            }
+            if (got > 0 && (open = fp_conn_open(&fp, conn)) <= 0) {
+                if (open < 0)
+                    return NULL;
                 break;
             }
             double t = now();
@@ -1004,51 +911,10 @@ conn_recv(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwname
         }
         link->skip_spin = spin > 0;  /* spun already: the Python wait sleeps at once */
     }
-    return delegate(conn, s_recv_py, args, nargsf, kwnames);
+    return fp_delegate(conn, s_recv_py, args, nargsf, kwnames);
 }
 
-static PyMethodDef conn_alloc_def = {"alloc", (PyCFunction)(void (*)(void))conn_alloc, METH_FASTCALL | METH_KEYWORDS,
-                                     "alloc(nbytes, timeout=None)\n--\n\nA send slot (see Connection.alloc)."};
-static PyMethodDef conn_send_def = {"send", (PyCFunction)(void (*)(void))conn_send, METH_FASTCALL | METH_KEYWORDS,
-                                    "send(header, buffers=(), timeout=None)\n--\n\nSee Connection.send."};
-static PyMethodDef conn_recv_def = {"recv", (PyCFunction)(void (*)(void))conn_recv, METH_FASTCALL | METH_KEYWORDS,
-                                    "recv(timeout=None)\n--\n\nSee Connection.recv."};
-
-PyDoc_STRVAR(connection_methods_doc, "connection_methods(cls)\n--\n\n(alloc, send, recv) method "
-             "descriptors for ``cls`` (RdmaConnection), which must define _alloc_py, _send_py and _recv_py.");
-
-static PyObject *
-connection_methods(PyObject *mod, PyObject *cls)
-{
-    if (!PyType_Check(cls)) {
-        PyErr_SetString(PyExc_TypeError, "a class");
-        return NULL;
-    }
-    PyTypeObject *t = (PyTypeObject *)cls;
-    PyObject *a = PyDescr_NewMethod(t, &conn_alloc_def), *b = a ? PyDescr_NewMethod(t, &conn_send_def) : NULL,
-             *c = b ? PyDescr_NewMethod(t, &conn_recv_def) : NULL;
-    PyObject *r = c ? PyTuple_Pack(3, a, b, c) : NULL;
-    Py_XDECREF(a);
-    Py_XDECREF(b);
-    Py_XDECREF(c);
-    return r;
-}
-
-static PyMemberDef *
-slot_of(PyObject *cls, const char *name)
-{
-    PyObject *d = PyObject_GetAttrString(cls, name);
-    if (d == NULL)
-        return NULL;
-    if (!Py_IS_TYPE(d, &PyMemberDescr_Type) || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
-        PyErr_Format(PyExc_TypeError, "%R.%s is not a __slots__ member", cls, name);
-        Py_DECREF(d);
-        return NULL;
-    }
-    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
-    Py_DECREF(d);  /* the class keeps the descriptor alive */
-    return m;
-}
+FP_CONNECTION_METHODS("RdmaConnection")
 
 PyDoc_STRVAR(bind_doc, "bind(msg_cls, slot_cls, packer, unpack, transport_error, broken, tag, max_user)\n--\n\n"
              "The message class poll makes (a transport.base.Message subclass: its slots are set directly), "
@@ -1066,22 +932,11 @@ bind(PyObject *mod, PyObject *args)
     if (!PyArg_ParseTuple(args, "O!O!OOOlIl", &PyType_Type, &cls, &PyType_Type, &scls, &pack, &unp, &err, &broken,
                           &tag, &maxu))
         return NULL;
-    PyMemberDef *sp = slot_of(scls, "pool"), *si = sp ? slot_of(scls, "index") : NULL,
-                *sn = si ? slot_of(scls, "nbytes") : NULL;
-    if (sn == NULL)
+    if (fp_bind(&fp, cls, scls) < 0)
         return NULL;
-    PyMemberDef *h = slot_of(cls, "header"), *b = h ? slot_of(cls, "buffers") : NULL,
-                *r = b ? slot_of(cls, "released") : NULL, *c = r ? slot_of(cls, "_conn") : NULL,
-                *t = c ? slot_of(cls, "_token") : NULL;
-    if (t == NULL)
-        return NULL;
-    Py_XSETREF(msg_type, (PyTypeObject *)Py_NewRef(cls));
-    Py_XSETREF(slot_type, (PyTypeObject *)Py_NewRef(scls));
     Py_XSETREF(packer, Py_NewRef(pack));
     Py_XSETREF(unpack, Py_NewRef(unp));
     Py_XSETREF(transport_error, Py_NewRef(err));
-    m_pool = sp, m_index = si, m_nbytes = sn;
-    m_header = h, m_buffers = b, m_released = r, m_conn = c, m_token = t;
     broken_state = broken;
     tag_fast = tag;
     max_user = maxu;
@@ -1104,21 +959,13 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__rdmafast(void)
 {
-    if (PyType_Ready(&LinkType) < 0)
-        return NULL;
 #define INTERN(v, s) if (!((v) = PyUnicode_InternFromString(s))) return NULL
-    INTERN(s_state, "_state");
     INTERN(s_link, "_link");
-    INTERN(s_release, "release");
-    INTERN(s_pop, "pop");
     INTERN(s_popleft, "popleft");
-    INTERN(s_append, "append");
     INTERN(s_fd_used, "_fd_used");
     INTERN(s_quiesce, "_quiesce");
     INTERN(s_flush, "_flush");
     INTERN(s_on_completions, "_on_completions");
-    INTERN(s_send_failed, "_send_failed");
-    INTERN(s_fail, "_fail");
     INTERN(s_qp_error, "_qp_error");
     INTERN(s_release_failed, "_release_failed");
     INTERN(s_release_message, "_release_message");
@@ -1126,14 +973,5 @@ PyInit__rdmafast(void)
     INTERN(s_send_py, "_send_py");
     INTERN(s_recv_py, "_recv_py");
 #undef INTERN
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL)
-        return NULL;
-    Py_INCREF(&LinkType);
-    if (PyModule_AddObject(m, "Link", (PyObject *)&LinkType) < 0) {
-        Py_DECREF(&LinkType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return fp_module(&module, &LinkType);
 }

@@ -15,9 +15,7 @@
  * StoreLoad fence before reading the peer's "armed" word is a seq_cst fence (mfence),
  * where the Python path takes and drops a lock.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <structmember.h>
+#include "_fastpath.h"
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -37,11 +35,9 @@
 
 /* bind(): the message class this module makes and releases, its slots, and what a
  * release needs to know about the connection (transport/base.py's lifecycle) */
-static PyTypeObject *msg_type, *slot_type;
-static PyMemberDef *m_header, *m_buffers, *m_released, *m_conn, *m_token;
-static PyMemberDef *m_pool, *m_index, *m_nbytes;  /* transport.pool.Slot's */
+static FastPath fp;
 static PyObject *packer;  /* a user header's msgpack bytes */
-static PyObject *protocol_error, *s_state, *s_link, *s_release, *s_release_failed, *s_pop, *s_append;
+static PyObject *protocol_error, *s_link, *s_release_failed;
 static long broken_state;
 
 typedef struct {
@@ -122,7 +118,7 @@ Link_init(Link *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "ring sizes must be powers of two");
         return -1;
     }
-    if (msg_type == NULL) {
+    if (fp.msg_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "bind() the message class first");
         return -1;
     }
@@ -266,20 +262,6 @@ Link_send(Link *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(send_record(self, slot, nbytes, user, ulen));
 }
 
-/* conn._state == OPEN (0); -1 with an error set if it cannot be read */
-static int
-conn_open(PyObject *conn)
-{
-    PyObject *v = PyObject_GetAttr(conn, s_state);
-    if (v == NULL)
-        return -1;
-    long st_ = PyLong_AsLong(v);
-    Py_DECREF(v);
-    if (st_ == -1 && PyErr_Occurred())
-        return -1;
-    return st_ == 0;
-}
-
 PyDoc_STRVAR(send_message_doc, "send_message(conn, header, buffers)\n--\n\nShmConnection.send's "
              "fast path whole: ``buffers`` one Slot of our send pool, ``conn`` open, the header "
              "packed ({} as no bytes) into a fast record that fits; 0. -1 when anything is otherwise "
@@ -293,7 +275,7 @@ Link_send_message(Link *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *conn = args[0], *header = args[1], *buffers = args[2], *b;
-    if (!self->open || self->pool == NULL || slot_type == NULL)
+    if (!self->open || self->pool == NULL || fp.slot_type == NULL)
         return PyLong_FromLong(-1);
     if (PyList_CheckExact(buffers) && PyList_GET_SIZE(buffers) == 1)
         b = PyList_GET_ITEM(buffers, 0);
@@ -301,15 +283,15 @@ Link_send_message(Link *self, PyObject *const *args, Py_ssize_t nargs)
         b = PyTuple_GET_ITEM(buffers, 0);
     else
         return PyLong_FromLong(-1);
-    if (Py_TYPE(b) != slot_type)
+    if (Py_TYPE(b) != fp.slot_type)
         return PyLong_FromLong(-1);
-    PyObject *bpool = PyMember_GetOne((char *)b, m_pool);
+    PyObject *bpool = PyMember_GetOne((char *)b, fp.pool);
     if (bpool == NULL)
         return NULL;
     Py_DECREF(bpool);
     if (bpool != self->pool)
         return PyLong_FromLong(-1);
-    int open = conn_open(conn);
+    int open = fp_conn_open(&fp, conn);
     if (open <= 0)
         return open < 0 ? NULL : PyLong_FromLong(-1);
     PyObject *raw = NULL;
@@ -329,7 +311,7 @@ Link_send_message(Link *self, PyObject *const *args, Py_ssize_t nargs)
             return PyLong_FromLong(-1);
         }
     }
-    PyObject *index = PyMember_GetOne((char *)b, m_index), *nbytes = index ? PyMember_GetOne((char *)b, m_nbytes) : NULL;
+    PyObject *index = PyMember_GetOne((char *)b, fp.index), *nbytes = index ? PyMember_GetOne((char *)b, fp.nbytes) : NULL;
     unsigned long long i = index ? PyLong_AsUnsignedLongLong(index) : 0, n = nbytes ? PyLong_AsUnsignedLongLong(nbytes) : 0;
     Py_XDECREF(index);
     Py_XDECREF(nbytes);
@@ -366,34 +348,13 @@ Link_alloc(Link *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     if (nbytes < 0 || nbytes > self->max_message || n == 0)
         Py_RETURN_NONE;
-    int open = conn_open(args[0]);
+    int open = fp_conn_open(&fp, args[0]);
     if (open <= 0) {
         if (open < 0)
             return NULL;
         Py_RETURN_NONE;
     }
-    PyObject *last = PyObject_CallMethodNoArgs(self->free, s_pop);  /* last freed, first reused */
-    if (last == NULL)
-        return NULL;
-    Py_ssize_t i = PyLong_AsSsize_t(last);
-    if (i < 0 || i >= PyList_GET_SIZE(self->slots) || i >= PyList_GET_SIZE(self->in_use)) {
-        PyObject *r = PyObject_CallMethodOneArg(self->free, s_append, last);  /* put it back */
-        Py_DECREF(last);
-        Py_XDECREF(r);
-        PyErr_Clear();
-        Py_RETURN_NONE;  /* not a free list we understand: BufferPool.try_alloc says */
-    }
-    Py_DECREF(last);
-    PyObject *slot = PyList_GET_ITEM(self->slots, i);
-    PyObject *size = PyLong_FromLongLong(nbytes);
-    if (size == NULL || PyMember_SetOne((char *)slot, m_nbytes, size) < 0) {
-        Py_XDECREF(size);
-        return NULL;
-    }
-    Py_DECREF(size);
-    Py_INCREF(Py_True);
-    PyList_SetItem(self->in_use, i, Py_True);
-    return Py_NewRef(slot);
+    return fp_pool_pop(&fp, self->free, self->in_use, self->slots, args[1]);
 }
 
 PyDoc_STRVAR(attach_pool_doc, "attach_pool(pool, free, in_use, slots, max_message)\n--\n\nOur send "
@@ -450,7 +411,7 @@ Link_recv(Link *self, PyObject *conn)
     if (n < 16 || n > self->max_record || need > avail || pos + need > cap || tag != self->tag
         || slot >= self->recv_nslots || k > self->recv_slot_size)
         Py_RETURN_NONE;
-    PyObject *user, *view, *bufs, *msg, *sl, *lo, *hi, *s;
+    PyObject *user;
     if (n == 16) {
         user = PyDict_New();
     } else {
@@ -469,35 +430,11 @@ Link_recv(Link *self, PyObject *conn)
     if (user == NULL)
         return NULL;
     uint64_t base = (uint64_t)slot * self->recv_stride;
-    lo = PyLong_FromUnsignedLongLong(base);
-    hi = PyLong_FromUnsignedLongLong(base + k);
-    sl = (lo && hi) ? PySlice_New(lo, hi, NULL) : NULL;
-    Py_XDECREF(lo);
-    Py_XDECREF(hi);
-    view = sl ? PyObject_GetItem(self->recv_mem, sl) : NULL;
-    Py_XDECREF(sl);
-    if (view == NULL) {
-        Py_DECREF(user);
-        return NULL;
-    }
-    bufs = PyList_New(1);
-    if (bufs == NULL) {
-        Py_DECREF(user);
-        Py_DECREF(view);
-        return NULL;
-    }
-    PyList_SET_ITEM(bufs, 0, view);
-    s = PyLong_FromUnsignedLong(slot);
-    msg = s ? msg_type->tp_alloc(msg_type, 0) : NULL;
-    if (msg == NULL || PyMember_SetOne((char *)msg, m_header, user) < 0
-        || PyMember_SetOne((char *)msg, m_buffers, bufs) < 0
-        || PyMember_SetOne((char *)msg, m_released, Py_False) < 0
-        || PyMember_SetOne((char *)msg, m_conn, conn) < 0 || PyMember_SetOne((char *)msg, m_token, s) < 0) {
-        Py_XDECREF(msg);
-        msg = NULL;
-    }
+    PyObject *view = fp_slice(self->recv_mem, base, base + k);
+    PyObject *s = view ? PyLong_FromUnsignedLong(slot) : NULL;
+    PyObject *msg = s ? fp_message(&fp, user, view, conn, s) : NULL;
     Py_DECREF(user);
-    Py_DECREF(bufs);
+    Py_XDECREF(view);
     Py_XDECREF(s);
     if (msg == NULL)
         return NULL;
@@ -603,47 +540,19 @@ static PyTypeObject LinkType = {
 static PyObject *
 message_release(PyObject *msg, PyObject *unused)
 {
-    PyObject *v = PyMember_GetOne((char *)msg, m_released);
-    if (v == NULL)
-        return NULL;
-    int done = PyObject_IsTrue(v);
-    Py_DECREF(v);
+    PyObject *conn, *token;
+    int done = fp_unhook(&fp, msg, &conn, &token);
     if (done)
-        Py_RETURN_NONE;
-    PyObject *empty = PyList_New(0);
-    PyObject *bufs = PyMember_GetOne((char *)msg, m_buffers);
-    if (empty == NULL || bufs == NULL || PyMember_SetOne((char *)msg, m_released, Py_True) < 0
-        || PyMember_SetOne((char *)msg, m_buffers, empty) < 0) {
-        Py_XDECREF(empty);
-        Py_XDECREF(bufs);
-        return NULL;
-    }
-    Py_DECREF(empty);
-    if (PyList_Check(bufs)) {
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(bufs); i++) {
-            PyObject *r = PyObject_CallMethodNoArgs(PyList_GET_ITEM(bufs, i), s_release);
-            if (r == NULL) {  /* BufferError: still exported (as in Python, it propagates) */
-                Py_DECREF(bufs);
-                return NULL;
-            }
-            Py_DECREF(r);
-        }
-    }
-    Py_DECREF(bufs);
-    PyObject *conn = PyMember_GetOne((char *)msg, m_conn);
-    if (conn == NULL || PyMember_SetOne((char *)msg, m_conn, Py_None) < 0) {
-        Py_XDECREF(conn);
-        return NULL;
-    }
+        return done < 0 ? NULL : Py_NewRef(Py_None);
     if (conn == Py_None) {
         Py_DECREF(conn);
+        Py_DECREF(token);
         Py_RETURN_NONE;
     }
-    PyObject *state = PyObject_GetAttr(conn, s_state);
+    PyObject *state = PyObject_GetAttr(conn, fp.s_state);
     PyObject *link = state ? PyObject_GetAttr(conn, s_link) : NULL;
-    PyObject *token = link ? PyMember_GetOne((char *)msg, m_token) : NULL;
     PyObject *ret = NULL;
-    if (token != NULL) {
+    if (link != NULL) {
         long st_ = PyLong_AsLong(state);
         unsigned long slot = PyLong_AsUnsignedLong(token);
         if (PyErr_Occurred()) {
@@ -673,22 +582,6 @@ message_release(PyObject *msg, PyObject *unused)
 static PyMethodDef release_def = {"release", message_release, METH_NOARGS,
                                   "Hand the buffers back and return the slot to the peer (the credit)."};
 
-static PyMemberDef *
-slot_of(PyObject *cls, const char *name)
-{
-    PyObject *d = PyObject_GetAttrString(cls, name);
-    if (d == NULL)
-        return NULL;
-    if (!Py_IS_TYPE(d, &PyMemberDescr_Type) || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
-        PyErr_Format(PyExc_TypeError, "%R.%s is not a __slots__ member", cls, name);
-        Py_DECREF(d);
-        return NULL;
-    }
-    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
-    Py_DECREF(d);  /* the class keeps the descriptor alive */
-    return m;
-}
-
 PyDoc_STRVAR(bind_doc, "bind(msg_cls, protocol_error, broken, slot_cls, packer)\n--\n\nThe message class recv makes "
              "(a transport.base.Message subclass: its slots header, buffers, released, _conn, _token are "
              "set directly), the error a corrupted return ring is reported as, and the first "
@@ -702,25 +595,10 @@ bind(PyObject *mod, PyObject *args)
     long broken;
     if (!PyArg_ParseTuple(args, "O!OlO!O", &PyType_Type, &cls, &err, &broken, &PyType_Type, &scls, &pack))
         return NULL;
-    PyMemberDef *sp = slot_of(scls, "pool"), *si = sp ? slot_of(scls, "index") : NULL,
-                *sn = si ? slot_of(scls, "nbytes") : NULL;
-    if (sn == NULL)
+    if (fp_bind(&fp, cls, scls) < 0)
         return NULL;
-    PyMemberDef *h = slot_of(cls, "header"), *b = h ? slot_of(cls, "buffers") : NULL,
-                *r = b ? slot_of(cls, "released") : NULL, *c = r ? slot_of(cls, "_conn") : NULL,
-                *t = c ? slot_of(cls, "_token") : NULL;
-    if (t == NULL)
-        return NULL;
-    Py_INCREF(cls);
-    Py_INCREF(err);
-    Py_XSETREF(msg_type, (PyTypeObject *)cls);
-    Py_XSETREF(protocol_error, err);
-    Py_INCREF(scls);
-    Py_INCREF(pack);
-    Py_XSETREF(slot_type, (PyTypeObject *)scls);
-    Py_XSETREF(packer, pack);
-    m_pool = sp, m_index = si, m_nbytes = sn;
-    m_header = h, m_buffers = b, m_released = r, m_conn = c, m_token = t;
+    Py_XSETREF(protocol_error, Py_NewRef(err));
+    Py_XSETREF(packer, Py_NewRef(pack));
     broken_state = broken;
     return PyDescr_NewMethod((PyTypeObject *)cls, &release_def);
 }
@@ -734,24 +612,7 @@ static PyObject *s_alloc_py, *s_send_py, *s_recv_py;
 static Link *
 link_of(PyObject *conn)
 {
-    PyObject *link = PyObject_GetAttr(conn, s_link);
-    if (link == NULL) {
-        PyErr_Clear();
-        return NULL;
-    }
-    Py_DECREF(link);  /* the connection keeps it */
-    return PyObject_TypeCheck(link, &LinkType) && ((Link *)link)->open ? (Link *)link : NULL;
-}
-
-static PyObject *
-delegate(PyObject *conn, PyObject *name, PyObject *const *args, size_t nargsf, PyObject *kwnames)
-{
-    PyObject *meth = PyObject_GetAttr(conn, name);
-    if (meth == NULL)
-        return NULL;
-    PyObject *r = PyObject_Vectorcall(meth, args, nargsf, kwnames);
-    Py_DECREF(meth);
-    return r;
+    return (Link *)fp_link_of(conn, s_link, &LinkType);
 }
 
 static PyObject *
@@ -766,7 +627,7 @@ conn_alloc(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwnam
             return slot;  /* a slot, or an error */
         Py_DECREF(slot);
     }
-    return delegate(conn, s_alloc_py, args, nargsf, kwnames);
+    return fp_delegate(conn, s_alloc_py, args, nargsf, kwnames);
 }
 
 static PyObject *
@@ -784,7 +645,7 @@ conn_send(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwname
         if (sent == 0)
             Py_RETURN_NONE;
     }
-    return delegate(conn, s_send_py, args, nargsf, kwnames);
+    return fp_delegate(conn, s_send_py, args, nargsf, kwnames);
 }
 
 static PyObject *
@@ -793,7 +654,7 @@ conn_recv(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwname
     Py_ssize_t n = PyVectorcall_NARGS(nargsf);
     Link *link = kwnames == NULL && n <= 1 ? link_of(conn) : NULL;
     if (link != NULL) {
-        int open = conn_open(conn);  /* a BROKEN or CLOSED connection raises, below */
+        int open = fp_conn_open(&fp, conn);  /* a BROKEN or CLOSED connection raises, below */
         if (open < 0)
             return NULL;
         if (open) {
@@ -803,35 +664,10 @@ conn_recv(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwname
             Py_DECREF(m);
         }
     }
-    return delegate(conn, s_recv_py, args, nargsf, kwnames);
+    return fp_delegate(conn, s_recv_py, args, nargsf, kwnames);
 }
 
-static PyMethodDef conn_alloc_def = {"alloc", (PyCFunction)(void (*)(void))conn_alloc, METH_FASTCALL | METH_KEYWORDS,
-                                     "alloc(nbytes, timeout=None)\n--\n\nA send slot (see Connection.alloc)."};
-static PyMethodDef conn_send_def = {"send", (PyCFunction)(void (*)(void))conn_send, METH_FASTCALL | METH_KEYWORDS,
-                                    "send(header, buffers=(), timeout=None)\n--\n\nSee Connection.send."};
-static PyMethodDef conn_recv_def = {"recv", (PyCFunction)(void (*)(void))conn_recv, METH_FASTCALL | METH_KEYWORDS,
-                                    "recv(timeout=None)\n--\n\nSee Connection.recv."};
-
-PyDoc_STRVAR(connection_methods_doc, "connection_methods(cls)\n--\n\n(alloc, send, recv) method "
-             "descriptors for ``cls`` (ShmConnection), which must define _alloc_py, _send_py and _recv_py.");
-
-static PyObject *
-connection_methods(PyObject *mod, PyObject *cls)
-{
-    if (!PyType_Check(cls)) {
-        PyErr_SetString(PyExc_TypeError, "a class");
-        return NULL;
-    }
-    PyTypeObject *t = (PyTypeObject *)cls;
-    PyObject *a = PyDescr_NewMethod(t, &conn_alloc_def), *b = a ? PyDescr_NewMethod(t, &conn_send_def) : NULL,
-             *c = b ? PyDescr_NewMethod(t, &conn_recv_def) : NULL;
-    PyObject *r = c ? PyTuple_Pack(3, a, b, c) : NULL;
-    Py_XDECREF(a);
-    Py_XDECREF(b);
-    Py_XDECREF(c);
-    return r;
-}
+FP_CONNECTION_METHODS("ShmConnection")
 
 static PyMethodDef module_methods[] = {
     {"connection_methods", connection_methods, METH_O, connection_methods_doc},
@@ -848,23 +684,10 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__shmfast(void)
 {
-    if (PyType_Ready(&LinkType) < 0)
-        return NULL;
-    if (!(s_state = PyUnicode_InternFromString("_state")) || !(s_link = PyUnicode_InternFromString("_link"))
-        || !(s_release = PyUnicode_InternFromString("release"))
+    if (!(s_link = PyUnicode_InternFromString("_link"))
         || !(s_release_failed = PyUnicode_InternFromString("_release_failed"))
-        || !(s_pop = PyUnicode_InternFromString("pop")) || !(s_append = PyUnicode_InternFromString("append"))
         || !(s_alloc_py = PyUnicode_InternFromString("_alloc_py")) || !(s_send_py = PyUnicode_InternFromString("_send_py"))
         || !(s_recv_py = PyUnicode_InternFromString("_recv_py")))
         return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL)
-        return NULL;
-    Py_INCREF(&LinkType);
-    if (PyModule_AddObject(m, "Link", (PyObject *)&LinkType) < 0) {
-        Py_DECREF(&LinkType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return fp_module(&module, &LinkType);
 }

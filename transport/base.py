@@ -101,6 +101,18 @@ class ConnectionStats:
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def fold(self, link: Any) -> "ConnectionStats":
+        """Add the message counts a compiled fast path kept on its own (``link``'s
+        msgs_in, bytes_in, msgs_out, bytes_out: it updates no Python object per message)
+        and zero them there; ``link`` None: nothing to add."""
+        if link is not None and (link.msgs_in or link.msgs_out):
+            self.messages_received += link.msgs_in
+            self.bytes_received += link.bytes_in
+            self.messages_sent += link.msgs_out
+            self.bytes_sent += link.bytes_out
+            link.msgs_in = link.bytes_in = link.msgs_out = link.bytes_out = 0
+        return self
+
 
 class Message:
     """A received message: ``header`` (msgpack-able object) and ``buffers`` (memoryviews
@@ -278,6 +290,25 @@ class Connection(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+
+class CompiledPath:
+    """For a connection whose common message may go through a compiled fast path (shm's
+    transport/_shmfast.c, rdma's _rdmafast.c): ``_link`` is the extension's object, or None
+    where the Python path runs; it counts its messages itself, folded into ``stats`` here."""
+
+    _link: Any = None
+    _stats: ConnectionStats
+
+    @property
+    def native(self) -> bool:
+        """Whether the compiled path carries this connection's common messages."""
+        return self._link is not None
+
+    @property
+    def stats(self) -> ConnectionStats:
+        return self._stats.fold(self._link)
 
 
 class Listener(abc.ABC):

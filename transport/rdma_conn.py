@@ -54,7 +54,7 @@ from typing import Any, Optional, Sequence
 import msgpack
 
 from . import framing
-from .base import BROKEN, Connection, ConnectionStats, Deadline, Message
+from .base import BROKEN, CompiledPath, Connection, ConnectionStats, Deadline, Message
 from .errors import ProtocolError, Timeout, TransportError
 from .framing import CLOSE as _CLOSE
 from .pool import BufferPool, Slot, round_up
@@ -138,7 +138,7 @@ def _wc_status(status: int) -> str:
     return str(status)
 
 
-class RdmaConnection(Connection):
+class RdmaConnection(CompiledPath, Connection):
     """One RC queue pair and its registered pools (see the module docstring)."""
 
     def __init__(self, sock: socket.socket, url: str, *, slot_size: int, nslots: int,
@@ -303,23 +303,6 @@ class RdmaConnection(Connection):
         for name in Counters.__slots__:
             setattr(link, name, getattr(self._c, name))
         self._c = self._link = link
-
-    @property
-    def native(self) -> bool:
-        """Whether the compiled path carries this connection's common messages."""
-        return self._link is not None
-
-    @property
-    def stats(self) -> ConnectionStats:
-        link = self._link
-        if link is not None and (link.msgs_in or link.msgs_out):  # the compiled path's, folded in
-            st = self._stats
-            st.messages_received += link.msgs_in
-            st.bytes_received += link.bytes_in
-            st.messages_sent += link.msgs_out
-            st.bytes_sent += link.bytes_out
-            link.msgs_in = link.bytes_in = link.msgs_out = link.bytes_out = 0
-        return self._stats
 
     @property
     def inline_sends(self) -> int:

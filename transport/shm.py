@@ -42,7 +42,7 @@ import msgpack
 
 from . import framing
 from . import handshake as hs
-from .base import (BROKEN, DEFAULT_NSLOTS, DEFAULT_SLOT_SIZE, DEFAULT_TIMEOUT, OPEN, Connection,
+from .base import (BROKEN, DEFAULT_NSLOTS, DEFAULT_SLOT_SIZE, DEFAULT_TIMEOUT, OPEN, CompiledPath, Connection,
                    ConnectionStats, Deadline, Listener, Message)
 from .errors import ConnectionClosed, ProtocolError, Refused, Timeout, TransportError
 from .framing import CLOSE as _CLOSE
@@ -251,7 +251,7 @@ if _shmfast is not None:
     _NativeSlotMessage.release = _shmfast.bind(_NativeSlotMessage, ProtocolError, BROKEN, Slot, _pack)
 
 
-class ShmConnection(Connection):
+class ShmConnection(CompiledPath, Connection):
     """One shm connection after the handshake (used by one thread at a time)."""
 
     def __init__(self, url: str, sock: socket.socket, seg: Segment, peer_seg: Segment,
@@ -308,23 +308,6 @@ class ShmConnection(Connection):
                              self._recv_slot_size, self._recv_nslots, bell.fd, peer_bell, unpack_fast_user,
                              MAX_FAST_RECORD, TAG_FAST, cur.out_tail, cur.in_head, cur.ret_tail, cur.rung_sent,
                              cur.rung_seen)
-
-    @property
-    def native(self) -> bool:
-        """Whether this connection's fast records go through the compiled path."""
-        return self._link is not None
-
-    @property
-    def stats(self) -> ConnectionStats:
-        link = self._link
-        if link is not None and (link.msgs_in or link.msgs_out):  # fold in the compiled path's counts
-            st = self._stats
-            st.messages_received += link.msgs_in
-            st.bytes_received += link.bytes_in
-            st.messages_sent += link.msgs_out
-            st.bytes_sent += link.bytes_out
-            link.msgs_in = link.bytes_in = link.msgs_out = link.bytes_out = 0
-        return self._stats
 
     # -- doorbell -------------------------------------------------------------------
     def _ring(self) -> None:

@@ -67,3 +67,43 @@ def rdma_device() -> tuple[str, int, int]:
     if idx is None:
         pytest.skip(f"{dev} port {port} has no RoCE v2 IPv4 GID")
     return dev, port, idx
+
+
+@pytest.fixture
+def ip(rdma_device) -> str:
+    """The IPv4 address of the device's RoCE v2 GID: where rdma:// endpoints listen."""
+    from transport.rdma_device import pick_device
+    return pick_device().ipv4
+
+
+@pytest.fixture
+def make_pair(ip):
+    """make_pair(listener=None, native=None, server_native=None, **options) -> (client,
+    server): ``native`` is the client's, ``server_native`` the listener's (when it makes
+    one). Everything is closed at the end, and then nothing this process registered may be
+    left."""
+    import threading
+
+    import transport
+    from transport.rdma import live_resources
+    made = []
+
+    def make(listener=None, native=None, server_native=None, **opts):
+        opts.setdefault("timeout", 20)
+        lst = listener or transport.listen(f"rdma://{ip}:0", native=server_native, **opts)
+        if listener is None:
+            made.append(lst)
+        box = {}
+        t = threading.Thread(target=lambda: box.setdefault("c", transport.connect(lst.url, native=native, **opts)))
+        t.start()
+        try:
+            s = lst.accept(timeout=60)
+        finally:
+            t.join(60)
+        made.extend([box["c"], s])
+        return box["c"], s
+
+    yield make
+    for x in reversed(made):
+        x.close()
+    assert live_resources() == {}

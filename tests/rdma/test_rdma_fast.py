@@ -21,43 +21,6 @@ pytestmark = pytest.mark.rdma
 PATHS = {"compiled": None, "python": False}
 
 
-@pytest.fixture
-def ip(rdma_device):
-    from transport.rdma_device import pick_device
-    return pick_device().ipv4
-
-
-@pytest.fixture
-def make_pair(ip):
-    """make_pair(listener=None, **options) -> (client, server), closed at the end; then
-    nothing this process registered may be left."""
-    import threading
-
-    import transport
-    from transport.rdma import live_resources
-    made = []
-
-    def make(listener=None, native=None, server_native=None, **opts):
-        opts.setdefault("timeout", 20)
-        lst = listener or transport.listen(f"rdma://{ip}:0", native=server_native, **opts)
-        if listener is None:
-            made.append(lst)
-        box = {}
-        t = threading.Thread(target=lambda: box.setdefault("c", transport.connect(lst.url, native=native, **opts)))
-        t.start()
-        try:
-            s = lst.accept(timeout=60)
-        finally:
-            t.join(60)
-        made.extend([box["c"], s])
-        return box["c"], s
-
-    yield make
-    for x in reversed(made):
-        x.close()
-    assert live_resources() == {}
-
-
 def test_the_compiled_path_carries_the_common_message(make_pair):
     """Where it is built (`make test` requires it), a connection takes the compiled path by
     default: one-slot messages are posted and received in C (its own counters move, the

@@ -28,12 +28,6 @@ from transport.testing.conformance import pattern, verify
 pytestmark = pytest.mark.rdma
 
 
-@pytest.fixture
-def ip(rdma_device):
-    from transport.rdma_device import pick_device
-    return pick_device().ipv4
-
-
 def kernel_objects() -> dict:
     """The kernel's count of verbs objects per device (`rdma resource show`), or {}."""
     try:
@@ -47,34 +41,6 @@ def kernel_objects() -> dict:
 
 def nfds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-@pytest.fixture
-def make_pair(ip):
-    """make_pair(**options) -> (client, server); everything is closed at the end, and then
-    nothing this process registered may be left."""
-    from transport.rdma import live_resources
-    made = []
-
-    def make(listener=None, **opts):
-        opts.setdefault("timeout", 20)
-        lst = listener or transport.listen(f"rdma://{ip}:0", **opts)
-        if listener is None:
-            made.append(lst)
-        box = {}
-        t = threading.Thread(target=lambda: box.setdefault("c", transport.connect(lst.url, **opts)))
-        t.start()
-        try:
-            s = lst.accept(timeout=60)
-        finally:
-            t.join(60)
-        made.extend([box["c"], s])
-        return box["c"], s
-
-    yield make
-    for x in reversed(made):
-        x.close()
-    assert live_resources() == {}
 
 
 def send(conn, seq, n, timeout=10, **extra):
