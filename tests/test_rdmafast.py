@@ -33,17 +33,19 @@ def test_the_compiled_path_is_built_where_it_is_required():
 
 @pytest.mark.parametrize("user", [b"", msgpack.packb({"seq": 7}), msgpack.packb("x" * 500)])
 @pytest.mark.parametrize("nbytes", [0, 1, 4096])
-def test_pack_then_parse_round_trips(user, nbytes):
+@pytest.mark.parametrize("slot", [None, 0, 4095])
+def test_pack_then_parse_round_trips(user, nbytes, slot):
     buf = bytearray(framing.rfast_offset(len(user)) + nbytes)
-    off = framing.pack_rdma_fast(buf, 0, user, nbytes, 3, 1)
+    off = framing.pack_rdma_fast(buf, 0, user, nbytes, 3, 1, slot)
     assert off % 64 == 0 and off >= framing.RFAST_SIZE + len(user)
     got = framing.parse_rdma_fast(buf, 0, off + nbytes, MAX_PAYLOAD)
-    assert got == (msgpack.unpackb(user) if user else {}, 3, 1, off, nbytes)
+    assert got == (msgpack.unpackb(user) if user else {}, [3, 1, [] if slot is None else [slot]], off, nbytes)
+    assert framing.check_credit_return(got[1]) == (3, 1, got[1][2])
     check_parse(bytes(buf), len(buf), MAX_PAYLOAD)
 
 
-def head(nbytes=4, credits=0, acks=0, ulen=0, tag=framing.TAG_RFAST):
-    return framing.RFAST_HEAD.pack(tag, nbytes, credits, acks, ulen)
+def head(nbytes=4, credits=0, acks=0, ulen=0, tag=framing.TAG_RFAST, slot=0):
+    return framing.RFAST_HEAD.pack(tag, nbytes, credits, acks, ulen, slot)
 
 
 @pytest.mark.parametrize("data,length,why", [
@@ -60,6 +62,20 @@ def test_malformed_fast_sends_are_protocol_errors(data, length, why):
     check_parse(data, length, MAX_PAYLOAD)  # the compiled parser declines each
 
 
+def test_a_fast_write_fills_part_of_its_slot():
+    """In a slot the frame may end anywhere before the slot does (the completion of a WRITE
+    WITH IMMEDIATE says no length); past the slot's end it is a ProtocolError."""
+    frame = head(nbytes=100) + b"\0" * 48 + b"p" * 100
+    slot = frame.ljust(4096, b"\xee")
+    assert framing.parse_rdma_fast_slot(slot, 0, len(slot), MAX_PAYLOAD) == ({}, [0, 0, []], 64, 100)
+    with pytest.raises(ProtocolError, match="fast SEND of 4096 bytes"):
+        framing.parse_rdma_fast(slot, 0, len(slot), MAX_PAYLOAD)  # as a SEND the length must match
+    with pytest.raises(ProtocolError, match="100 B of payload"):
+        framing.parse_rdma_fast_slot(frame, 0, 163, MAX_PAYLOAD)  # one byte short of the payload
+    for length, slot_mode in ((len(slot), True), (len(slot), False), (163, True)):
+        check_parse(slot, length, MAX_PAYLOAD, slot_mode)
+
+
 def test_other_sends_are_not_fast_sends():
     """A DATA frame, a shm fast record and a short SEND are left to the other parsers."""
     data = b"".join(bytes(memoryview(p)) for p in framing.frame_data({}, [b"abcd"], 0))
@@ -72,11 +88,12 @@ def test_other_sends_are_not_fast_sends():
 
 
 sends = st.one_of(
-    st.builds(lambda k, c, a, u: head(k, c, a, len(u)) + u + b"\0" * (-(16 + len(u)) % 64) + b"p" * k,
-              st.integers(0, 300), st.integers(0, 0xFFFF), st.integers(0, 0xFFFF),
+    st.builds(lambda k, c, a, s, u: head(k, c, a, len(u), slot=s) + u + b"\0" * (-(16 + len(u)) % 64) + b"p" * k,
+              st.integers(0, 300), st.integers(0, 0xFFFF), st.integers(0, 0xFFFF), st.sampled_from([0, 1, 0xFFFF]),
               st.sampled_from([b"", msgpack.packb({"a": 1}), b"\xc1", msgpack.packb(list(range(100)))])),
-    st.builds(lambda k, c, a, u, rest: head(k, c, a, u) + rest, st.integers(0, (1 << 32) - 1),
-              st.integers(0, 0xFFFF), st.integers(0, 0xFFFF), st.integers(0, (1 << 32) - 1), st.binary(max_size=200)),
+    st.builds(lambda k, c, a, u, s, rest: head(k, c, a, u, slot=s) + rest, st.integers(0, (1 << 32) - 1),
+              st.integers(0, 0xFFFF), st.integers(0, 0xFFFF), st.integers(0, 0xFFFF), st.integers(0, 0xFFFF),
+              st.binary(max_size=200)),
     st.binary(max_size=200),
 )
 
@@ -85,10 +102,13 @@ sends = st.one_of(
 @SETTINGS
 @given(data=sends, cut=st.integers(0, 64), max_payload=st.sampled_from([0, 64, 300, MAX_PAYLOAD]))
 @example(data=head(4) + b"\0" * 48 + b"abcd", cut=0, max_payload=MAX_PAYLOAD)
+@example(data=head(4) + b"\0" * 48 + b"abcd" + b"rest of the slot", cut=0, max_payload=MAX_PAYLOAD)
 def test_compiled_parser_agrees_with_framing(data, cut, max_payload):
-    """Whatever a peer leaves in a receive buffer and whatever length the completion says:
-    the compiled parser takes the same fast SENDs with the same result, or declines."""
+    """Whatever a peer leaves in a receive buffer or slot and whatever length the completion
+    (or the slot) says: the compiled parser takes the same fast frames with the same result,
+    or declines."""
     check_parse(data, max(0, len(data) - cut), max_payload)
+    check_parse(data, max(0, len(data) - cut), max_payload, slot=True)
 
 
 @needs_native
@@ -107,4 +127,5 @@ def test_the_link_refuses_what_is_not_a_pyverbs_qp():
             nrecv=0, rb_mem=memoryview(b""), recv_max=0, recv_nslots=0, pool=None, free=[], in_use=[], slots=[],
             sp_addr=0, sp_stride=0, room=0, sp_lkey=0, max_message=0, peer_small=0, max_inline=0, sq_depth=1,
             sig_every=1, flush_at=1, ack_at=1, peer_nslots=1, peer_nctrl=1, peer_fast=True, spin=0.0, inbox=[],
-            inflight=[], owed_slots=[], tx_slots=[])
+            inflight=[], owed_slots=[], tx_slots=[], tx_free=bytearray(1), raddr=0, rkey=0, rstride=0,
+            rp_mem=memoryview(b""), rp_addr=0, rp_stride=0, rp_size=0, rp_free=[], rp_in_use=[])

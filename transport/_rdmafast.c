@@ -21,6 +21,7 @@
 #include "_fastpath.h"
 #include <stdint.h>
 #include <string.h>
+#include <arpa/inet.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -58,6 +59,11 @@ typedef struct {
     int peer_fast;                  /* the peer reads fast SENDs (framing.CAP_RDMA_FAST) */
     double spin;
     PyObject *inbox, *inflight, *owed_slots, *tx_slots;
+    /* large messages: the peer's slots we WRITE into (tx_slots free, tx_free a flag each) and
+     * our receive slots it WRITEs into (rp_*: recv_pool's memory, free list and flags) */
+    PyObject *tx_free, *rp_mem, *rp_free, *rp_in_use;
+    uint64_t raddr, rstride, rp_addr, rp_stride, rp_size;
+    uint32_t rkey;
     /* counters shared with rdma_conn.py (see rdma_conn.Counters) */
     long long tx_credits, ctrl_budget, sq_used, unsig, wr_seq, owed_credits, owed_acks, unreturned;
     long long inline_sends;
@@ -138,6 +144,10 @@ release_all(Link *self)
     Py_CLEAR(self->inflight);
     Py_CLEAR(self->owed_slots);
     Py_CLEAR(self->tx_slots);
+    Py_CLEAR(self->tx_free);
+    Py_CLEAR(self->rp_mem);
+    Py_CLEAR(self->rp_free);
+    Py_CLEAR(self->rp_in_use);
 }
 
 static void
@@ -155,22 +165,27 @@ Link_init(Link *self, PyObject *args, PyObject *kw)
                              "sp_addr", "sp_stride", "room", "sp_lkey", "max_message", "peer_small",
                              "max_inline", "sq_depth", "sig_every", "flush_at", "ack_at", "peer_nslots",
                              "peer_nctrl", "peer_fast", "spin", "inbox", "inflight", "owed_slots", "tx_slots",
-                             NULL};
+                             "tx_free", "raddr", "rkey", "rstride", "rp_mem", "rp_addr", "rp_stride", "rp_size",
+                             "rp_free", "rp_in_use", NULL};
     PyObject *qp_obj, *rcq_obj, *scq_obj, *rb_mem, *pool, *free, *in_use, *slots, *inbox, *inflight, *owed,
-        *tx_slots;
+        *tx_slots, *tx_free, *rp_mem, *rp_free, *rp_in_use;
+    unsigned long long raddr, rstride, rp_addr, rp_stride, rp_size;
+    unsigned int rkey;
     unsigned int qpn, rb_size, rb_lkey, nrecv, sp_lkey;
     unsigned long long rb_addr, rb_stride, sp_addr, sp_stride, room;
     long long recv_max, recv_nslots, max_message, peer_small, max_inline, sq_depth, sig_every, flush_at, ack_at,
         peer_nslots, peer_nctrl;
     int peer_fast;
     double spin;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OIOOKKIIIOLLOOO!O!KKKILLLLLLLLLpdOOO!O", kwlist, &qp_obj, &qpn,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OIOOKKIIIOLLOOO!O!KKKILLLLLLLLLpdOOO!OO!KIKOKKKOO!", kwlist, &qp_obj, &qpn,
                                      &rcq_obj, &scq_obj, &rb_addr, &rb_stride, &rb_size, &rb_lkey, &nrecv,
                                      &rb_mem, &recv_max, &recv_nslots, &pool, &free, &PyList_Type, &in_use,
                                      &PyList_Type, &slots, &sp_addr, &sp_stride, &room, &sp_lkey, &max_message,
                                      &peer_small, &max_inline, &sq_depth, &sig_every, &flush_at, &ack_at,
                                      &peer_nslots, &peer_nctrl, &peer_fast, &spin, &inbox, &inflight,
-                                     &PyList_Type, &owed, &tx_slots))
+                                     &PyList_Type, &owed, &tx_slots, &PyByteArray_Type, &tx_free, &raddr, &rkey,
+                                     &rstride, &rp_mem, &rp_addr, &rp_stride, &rp_size, &rp_free, &PyList_Type,
+                                     &rp_in_use))
         return -1;
     struct ibv_qp *qp = find_qp(qp_obj, qpn, rcq_obj, scq_obj);
     if (qp == NULL) {
@@ -192,7 +207,13 @@ Link_init(Link *self, PyObject *args, PyObject *kw)
     KEEP(inflight, inflight);
     KEEP(owed_slots, owed);
     KEEP(tx_slots, tx_slots);
+    KEEP(tx_free, tx_free);
+    KEEP(rp_mem, rp_mem);
+    KEEP(rp_free, rp_free);
+    KEEP(rp_in_use, rp_in_use);
 #undef KEEP
+    self->raddr = raddr, self->rkey = rkey, self->rstride = rstride;
+    self->rp_addr = rp_addr, self->rp_stride = rp_stride, self->rp_size = rp_size;
     self->rb_addr = rb_addr, self->rb_stride = rb_stride, self->rb_size = rb_size, self->rb_lkey = rb_lkey;
     self->nrecv = nrecv, self->recv_max = recv_max, self->recv_nslots = recv_nslots;
     self->sp_addr = sp_addr, self->sp_stride = sp_stride, self->room = room, self->sp_lkey = sp_lkey;
@@ -291,9 +312,17 @@ send_fast(Link *self, PyObject *conn, PyObject *header, PyObject *buffers)
         return 1;
     if (Py_TYPE(b) != fp.slot_type)
         return 1;
-    if (self->tx_credits <= 0 || self->sq_used + 1 > self->sq_depth || PyList_GET_SIZE(self->owed_slots)
+    if (self->tx_credits <= 0 || self->sq_used + 1 > self->sq_depth || PyList_GET_SIZE(self->owed_slots) > 1
         || self->owed_credits > 0xFFFF || self->owed_acks > 0xFFFF)
-        return 1;
+        return 1;  /* more than one slot to return: a DATA frame carries them */
+    long long owed = -1;
+    if (PyList_GET_SIZE(self->owed_slots)) {
+        owed = PyLong_AsLongLong(PyList_GET_ITEM(self->owed_slots, 0));
+        if (owed < 0 || owed >= 0xFFFF) {
+            PyErr_Clear();
+            return 1;
+        }
+    }
     PyObject *bpool = PyMember_GetOne((char *)b, fp.pool);
     if (bpool == NULL)
         return -1;
@@ -327,14 +356,19 @@ send_fast(Link *self, PyObject *conn, PyObject *header, PyObject *buffers)
     }
     uint64_t off = ((uint64_t)FAST_SIZE + ulen + FAST_ALIGN - 1) & ~(uint64_t)(FAST_ALIGN - 1);
     if (ulen > max_user || i < 0 || i >= PyList_GET_SIZE(self->slots) || n < 0 || n > self->max_message
-        || off > self->room || (long long)off + n > self->peer_small)
-        goto out;  /* a large message, a big header: the Python path */
-    Py_ssize_t nfree = PyObject_Size(self->free);
-    if (nfree < 0) {
+        || off > self->room)
+        goto out;  /* a big header: the Python path */
+    /* a frame larger than the peer's receive buffers goes by WRITE WITH IMMEDIATE into one
+     * of its slots (the immediate names it; as many slots as credits, so one is free) */
+    int large = (long long)off + n > self->peer_small;
+    Py_ssize_t nfree = PyObject_Size(self->free), nslot = large ? PyObject_Size(self->tx_slots) : 0;
+    if (nfree < 0 || nslot < 0) {
         rc = -1;
         goto out;
     }
-    int inl = self->max_inline > 0 && (long long)off + n <= self->max_inline;
+    if (large && nslot == 0)
+        goto out;
+    int inl = !large && self->max_inline > 0 && (long long)off + n <= self->max_inline;
     PyObject *held = inl ? PyTuple_New(0) : PyList_New(1);
     PyObject *wid = PyLong_FromLongLong(self->wr_seq + 1), *rec = PyList_New(4);
     if (held == NULL || wid == NULL || rec == NULL) {
@@ -352,11 +386,10 @@ send_fast(Link *self, PyObject *conn, PyObject *header, PyObject *buffers)
     PyList_SET_ITEM(rec, 3, Py_NewRef(Py_None));
     unsigned char *p = (unsigned char *)(uintptr_t)(self->sp_addr + (uint64_t)i * self->sp_stride + self->room - off);
     uint32_t head[2] = {tag_fast, (uint32_t)n};
-    uint16_t counts[2] = {(uint16_t)self->owed_credits, (uint16_t)self->owed_acks};
-    uint32_t ul = (uint32_t)ulen;
+    uint16_t counts[4] = {(uint16_t)self->owed_credits, (uint16_t)self->owed_acks, (uint16_t)ulen,
+                          (uint16_t)(owed + 1)};
     memcpy(p, head, 8);
-    memcpy(p + 8, counts, 4);
-    memcpy(p + 12, &ul, 4);
+    memcpy(p + 8, counts, 8);
     if (ulen)
         memcpy(p + FAST_SIZE, user, (size_t)ulen);
     int sig = self->unsig + 1 >= self->sig_every || nfree <= self->sig_every;
@@ -368,19 +401,44 @@ send_fast(Link *self, PyObject *conn, PyObject *header, PyObject *buffers)
     wr.num_sge = 1;
     wr.opcode = IBV_WR_SEND;
     wr.send_flags = (sig ? IBV_SEND_SIGNALED : 0) | (inl ? IBV_SEND_INLINE : 0);
+    long long ps = -1;  /* the peer's slot */
+    if (large) {
+        PyObject *o = PyObject_CallMethodNoArgs(self->tx_slots, s_popleft);
+        ps = o ? PyLong_AsLongLong(o) : -1;
+        Py_XDECREF(o);
+        if (ps < 0 || ps >= PyByteArray_GET_SIZE(self->tx_free) || ps >= self->peer_nslots) {
+            Py_DECREF(rec);
+            rc = PyErr_Occurred() ? -1 : 1;  /* not a slot list we understand: the Python path */
+            goto out;
+        }
+        wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+        wr.imm_data = htonl((uint32_t)ps);
+        wr.wr.rdma.remote_addr = self->raddr + (uint64_t)ps * self->rstride;
+        wr.wr.rdma.rkey = self->rkey;
+    }
     if (ibv_post_send(self->qp, &wr, &bad)) {  /* the Python path posts again and says why */
         Py_DECREF(rec);
+        if (large) {
+            PyObject *o = PyObject_CallMethod(self->tx_slots, "appendleft", "L", ps);  /* as it was */
+            if (o == NULL)
+                rc = -1;
+            Py_XDECREF(o);
+        }
         goto out;
     }
+    if (large)
+        PyByteArray_AS_STRING(self->tx_free)[ps] = 0;
+    rc = 0;
     self->wr_seq += 1;
     self->tx_credits -= 1;
     self->unreturned -= self->owed_credits;
     self->owed_credits = self->owed_acks = 0;
+    if (owed >= 0 && PyList_SetSlice(self->owed_slots, 0, PyList_GET_SIZE(self->owed_slots), NULL) < 0)
+        rc = -1;
     self->sq_used += 1;
     self->unsig = sig ? 0 : self->unsig + 1;
     self->msgs_out += 1;
     self->bytes_out += (unsigned long long)n;
-    rc = 0;
     PyObject *r = PyObject_CallMethodOneArg(self->inflight, fp.s_append, rec);
     Py_DECREF(rec);
     if (r == NULL)
@@ -396,17 +454,31 @@ out:
     return rc;
 }
 
+/* post receive buffer ``i`` again; 0 or the verbs error */
+static int
+repost(Link *self, uint64_t i)
+{
+    struct ibv_sge sge = {(uintptr_t)(self->rb_addr + i * self->rb_stride), self->rb_size, self->rb_lkey};
+    struct ibv_recv_wr wr, *bad;
+    memset(&wr, 0, sizeof wr);
+    wr.wr_id = i;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    return ibv_post_recv(self->qp, &wr, &bad);
+}
+
 /* ---------------------------------------------------------------- receiving */
 typedef struct {
-    uint32_t nbytes, ulen;
-    uint16_t credits, acks;
+    uint32_t nbytes;
+    uint16_t credits, acks, ulen, slot;  /* slot: a returned slot + 1, or 0 */
     uint64_t off;  /* the payload's offset */
 } FastHead;
 
 /* The ``len`` bytes at ``b`` are a well-formed fast SEND head (framing.parse_rdma_fast's
- * checks, bar the user header's msgpack): 1 and ``h`` filled, else 0. */
+ * checks, bar the user header's msgpack; ``exact`` 0: a slot of ``len`` bytes it must fit,
+ * parse_rdma_fast_slot's): 1 and ``h`` filled, else 0. */
 static int
-parse_head(const unsigned char *b, uint64_t len, long long max_payload, FastHead *h)
+parse_head(const unsigned char *b, uint64_t len, long long max_payload, int exact, FastHead *h)
 {
     if (len < FAST_SIZE)
         return 0;
@@ -415,11 +487,12 @@ parse_head(const unsigned char *b, uint64_t len, long long max_payload, FastHead
     memcpy(&h->nbytes, b + 4, 4);
     memcpy(&h->credits, b + 8, 2);
     memcpy(&h->acks, b + 10, 2);
-    memcpy(&h->ulen, b + 12, 4);
-    if (tag != tag_fast || h->ulen > (uint32_t)max_user)
+    memcpy(&h->ulen, b + 12, 2);
+    memcpy(&h->slot, b + 14, 2);
+    if (tag != tag_fast || h->ulen > max_user)
         return 0;
     h->off = ((uint64_t)FAST_SIZE + h->ulen + FAST_ALIGN - 1) & ~(uint64_t)(FAST_ALIGN - 1);
-    return (long long)h->nbytes <= max_payload && h->off + h->nbytes == len;
+    return (long long)h->nbytes <= max_payload && (exact ? h->off + h->nbytes == len : h->off + h->nbytes <= len);
 }
 
 /* the user header of a parsed head: {} for none; NULL with no error set if undecodable */
@@ -438,10 +511,11 @@ user_of(const unsigned char *b, const FastHead *h)
     return user;
 }
 
-PyDoc_STRVAR(parse_doc, "parse(buf, length, max_payload)\n--\n\nWhat the receive path makes of a SEND of "
-             "``length`` bytes at the start of ``buf``: ``(user, credits, acks, payload_start, nbytes)`` "
-             "if it takes it as a fast SEND, None if it leaves it to the Python path (tests compare it "
-             "with framing.parse_rdma_fast).");
+PyDoc_STRVAR(parse_doc, "parse(buf, length, max_payload, slot=False)\n--\n\nWhat the receive path makes of "
+             "a SEND of ``length`` bytes at the start of ``buf`` (``slot``: a WRITE WITH IMMEDIATE into a "
+             "slot of ``length`` bytes): ``(user, [credits, acks, [slot...]], payload_start, nbytes)`` if it takes it "
+             "as a fast SEND, None if it leaves it to the Python path (tests compare it with "
+             "framing.parse_rdma_fast and parse_rdma_fast_slot).");
 
 static PyObject *
 parse(PyObject *mod, PyObject *args)
@@ -449,17 +523,20 @@ parse(PyObject *mod, PyObject *args)
     Py_buffer buf;
     unsigned long long length;
     long long max_payload;
-    if (!PyArg_ParseTuple(args, "y*KL", &buf, &length, &max_payload))
+    int slot = 0;
+    if (!PyArg_ParseTuple(args, "y*KL|p", &buf, &length, &max_payload, &slot))
         return NULL;
     FastHead h;
     PyObject *r = NULL;
-    if (length > (unsigned long long)buf.len || !parse_head(buf.buf, length, max_payload, &h)) {
+    if (length > (unsigned long long)buf.len || !parse_head(buf.buf, length, max_payload, !slot, &h)) {
         r = Py_NewRef(Py_None);
     } else {
         PyObject *user = user_of(buf.buf, &h);
         if (user != NULL)
-            r = Py_BuildValue("(NIIKI)", user, (unsigned)h.credits, (unsigned)h.acks, (unsigned long long)h.off,
-                              (unsigned)h.nbytes);
+            r = h.slot ? Py_BuildValue("(N[II[I]]KI)", user, (unsigned)h.credits, (unsigned)h.acks, h.slot - 1u,
+                                       (unsigned long long)h.off, (unsigned)h.nbytes)
+                       : Py_BuildValue("(N[II[]]KI)", user, (unsigned)h.credits, (unsigned)h.acks,
+                                       (unsigned long long)h.off, (unsigned)h.nbytes);
         else if (!PyErr_Occurred())
             r = Py_NewRef(Py_None);
     }
@@ -467,47 +544,102 @@ parse(PyObject *mod, PyObject *args)
     return r;
 }
 
-/* Take one receive completion if it is a well-formed fast SEND whose credits the peer may
- * return: 1 (queued as a message), 0 (not ours: nothing changed), -1 error. */
+/* Take one receive completion if it is a well-formed fast SEND (into a receive buffer) or
+ * fast WRITE WITH IMMEDIATE (into a free receive slot) whose credits the peer may return: 1
+ * (queued as a message; a slot taken, the receive buffer of a WRITE posted again), 0 (not
+ * ours: nothing changed), -1 error. */
 static int
 take_fast(Link *self, PyObject *conn, const struct ibv_wc *wc)
 {
-    if (wc->status != IBV_WC_SUCCESS || wc->opcode != IBV_WC_RECV || (wc->wc_flags & IBV_WC_WITH_IMM)
-        || wc->wr_id >= self->nrecv || wc->byte_len > self->rb_size)
+    int large;
+    if (wc->status != IBV_WC_SUCCESS || wc->wr_id >= self->nrecv)
         return 0;
-    uint64_t base = wc->wr_id * self->rb_stride;
-    const unsigned char *b = (const unsigned char *)(uintptr_t)(self->rb_addr + base);
+    if (wc->opcode == IBV_WC_RECV && !(wc->wc_flags & IBV_WC_WITH_IMM))
+        large = 0;
+    else if (wc->opcode == IBV_WC_RECV_RDMA_WITH_IMM)
+        large = 1;
+    else
+        return 0;
+    uint64_t s = 0, base;
+    PyObject *mem;
+    const unsigned char *b;
     FastHead h;
-    if (!parse_head(b, wc->byte_len, self->recv_max, &h))
-        return 0;
-    uint32_t k = h.nbytes;
-    uint16_t credits = h.credits, acks = h.acks;
-    uint64_t off = h.off;
+    if (large) {  /* the immediate names the slot: one of ours, and free */
+        s = ntohl(wc->imm_data);
+        if ((long long)s >= self->recv_nslots || (Py_ssize_t)s >= PyList_GET_SIZE(self->rp_in_use)
+            || PyList_GET_ITEM(self->rp_in_use, s) != Py_False)
+            return 0;
+        base = s * self->rp_stride, mem = self->rp_mem;
+        b = (const unsigned char *)(uintptr_t)(self->rp_addr + base);
+        if (!parse_head(b, self->rp_size, self->recv_max, 0, &h))
+            return 0;
+    } else {
+        if (wc->byte_len > self->rb_size)
+            return 0;
+        base = wc->wr_id * self->rb_stride, mem = self->rb_mem;
+        b = (const unsigned char *)(uintptr_t)(self->rb_addr + base);
+        if (!parse_head(b, wc->byte_len, self->recv_max, 1, &h))
+            return 0;
+    }
     Py_ssize_t nfree = PyObject_Size(self->tx_slots);
     if (nfree < 0)
         return -1;
-    if (self->tx_credits + credits > self->peer_nslots || self->ctrl_budget + acks > self->peer_nctrl
-        || nfree < self->tx_credits + credits)
+    long long ret = (long long)h.slot - 1;  /* a slot of the peer's it returns, or -1 */
+    if (ret >= 0 && (ret >= self->peer_nslots || ret >= PyByteArray_GET_SIZE(self->tx_free)
+                     || PyByteArray_AS_STRING(self->tx_free)[ret]))
+        return 0;  /* a slot we do not hold: _apply raises the ProtocolError */
+    if (self->tx_credits + h.credits > self->peer_nslots || self->ctrl_budget + h.acks > self->peer_nctrl
+        || nfree + (ret >= 0) < self->tx_credits + h.credits)
         return 0;  /* more than the peer was given: _apply raises the ProtocolError */
     PyObject *user = user_of(b, &h);
     if (user == NULL)
         return PyErr_Occurred() ? -1 : 0;
-    PyObject *view = fp_slice(self->rb_mem, base + off, base + off + k);
-    PyObject *tok = view ? PyLong_FromUnsignedLongLong(wc->wr_id) : NULL;
+    PyObject *view = fp_slice(mem, base + h.off, base + h.off + h.nbytes);
+    PyObject *tok = view ? (large ? PyLong_FromLongLong(-1 - (long long)s) : PyLong_FromUnsignedLongLong(wc->wr_id))
+                         : NULL;
     PyObject *msg = tok ? fp_message(&fp, user, view, conn, tok) : NULL;
-    PyObject *r = msg ? PyObject_CallMethodOneArg(self->inbox, fp.s_append, msg) : NULL;
     Py_DECREF(user);
     Py_XDECREF(view);
     Py_XDECREF(tok);
-    Py_XDECREF(msg);
+    if (msg == NULL)
+        return -1;
+    if (large) {  /* recv_pool.take(s), and the receive the WRITE consumed posted again */
+        PyObject *r = PyObject_CallMethod(self->rp_free, "remove", "K", (unsigned long long)s);
+        if (r == NULL) {
+            Py_DECREF(msg);
+            if (!PyErr_ExceptionMatches(PyExc_ValueError))
+                return -1;
+            PyErr_Clear();
+            return 0;
+        }
+        Py_DECREF(r);
+        PyList_SetItem(self->rp_in_use, s, Py_NewRef(Py_True));
+        if (repost(self, wc->wr_id)) {
+            r = PyObject_CallMethod(conn, "_fail", "s", "re-posting a receive failed");
+            if (r == NULL) {
+                Py_DECREF(msg);
+                return -1;
+            }
+            Py_DECREF(r);
+        }
+    }
+    PyObject *r = PyObject_CallMethodOneArg(self->inbox, fp.s_append, msg);
+    Py_DECREF(msg);
     if (r == NULL)
         return -1;
     Py_DECREF(r);
-    self->tx_credits += credits;
-    self->ctrl_budget += acks;
+    if (ret >= 0) {  /* the peer's slot is ours to WRITE into again */
+        r = PyObject_CallMethod(self->tx_slots, "append", "L", ret);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+        PyByteArray_AS_STRING(self->tx_free)[ret] = 1;
+    }
+    self->tx_credits += h.credits;
+    self->ctrl_budget += h.acks;
     self->unreturned += 1;
     self->msgs_in += 1;
-    self->bytes_in += k;
+    self->bytes_in += h.nbytes;
     return 1;
 }
 
@@ -635,36 +767,56 @@ Link_poll_send(Link *self, PyObject *conn)
 }
 
 /* ---------------------------------------------------------------- release */
-static int
-repost(Link *self, uint64_t i)
-{
-    struct ibv_sge sge = {(uintptr_t)(self->rb_addr + i * self->rb_stride), self->rb_size, self->rb_lkey};
-    struct ibv_recv_wr wr, *bad;
-    memset(&wr, 0, sizeof wr);
-    wr.wr_id = i;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    return ibv_post_recv(self->qp, &wr, &bad);
-}
 
-/* rdma_conn's _release for a small message whose connection has an open Link */
+static int owe_credit(Link *self, PyObject *conn);
+
+/* rdma_conn's _release for a message whose connection has an open Link: ``tok`` >= 0 is a
+ * receive buffer (posted again), -1 - slot a receive slot (freed, owed to the peer) */
 static int
-release_small(Link *self, PyObject *conn, uint64_t i)
+release_token(Link *self, PyObject *conn, PyObject *tok)
 {
+    long long t = PyLong_AsLongLong(tok);
+    if (t == -1 && PyErr_Occurred())
+        return -1;
     PyObject *err = PyObject_GetAttr(conn, s_qp_error);
     if (err == NULL)
         return -1;
     int failed = err != Py_None;
     Py_DECREF(err);
-    if (failed || i >= self->nrecv)
+    if (failed || t >= (long long)self->nrecv)
         return 0;
-    int e = repost(self, i);
+    if (t < 0) {  /* a slot: free again, and owed to the peer */
+        Py_ssize_t s = (Py_ssize_t)(-1 - t);
+        if (s >= PyList_GET_SIZE(self->rp_in_use) || PyList_GET_ITEM(self->rp_in_use, s) != Py_True) {
+            PyObject *r = PyObject_CallMethodOneArg(conn, s_release_message, tok);  /* it says what is wrong */
+            Py_XDECREF(r);
+            return r == NULL ? -1 : 0;
+        }
+        PyObject *idx = PyLong_FromSsize_t(s);
+        PyObject *a = idx ? PyObject_CallMethodOneArg(self->rp_free, fp.s_append, idx) : NULL;
+        PyObject *b = a ? PyObject_CallMethodOneArg(self->owed_slots, fp.s_append, idx) : NULL;
+        Py_XDECREF(idx);
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        if (b == NULL)
+            return -1;
+        PyList_SetItem(self->rp_in_use, s, Py_NewRef(Py_False));
+        return owe_credit(self, conn);
+    }
+    int e = repost(self, (uint64_t)t);
     if (e) {
         PyObject *r = PyObject_CallMethod(conn, "_fail", "s", e == ENOMEM ? "re-posting a receive failed: queue full"
                                                                          : "re-posting a receive failed");
         Py_XDECREF(r);
         return r == NULL ? -1 : 0;
     }
+    return owe_credit(self, conn);
+}
+
+/* a released message's credit, returned at once if enough are owed or the peer may be out */
+static int
+owe_credit(Link *self, PyObject *conn)
+{
     self->owed_credits += 1;
     if (self->owed_credits >= self->flush_at || self->unreturned >= self->recv_nslots) {
         PyObject *r = PyObject_CallMethod(conn, "_flush", "O", Py_True);
@@ -689,12 +841,11 @@ message_release(PyObject *msg, PyObject *unused)
     if (conn != Py_None) {
         PyObject *state = PyObject_GetAttr(conn, fp.s_state), *link = state ? PyObject_GetAttr(conn, s_link) : NULL;
         long st_ = state ? PyLong_AsLong(state) : -1;
-        unsigned long long i = PyLong_AsUnsignedLongLong(tok);
         if (link == NULL || PyErr_Occurred()) {
             rc = -1;
         } else if (PyObject_TypeCheck(link, &LinkType) && ((Link *)link)->open) {
             if (st_ < broken_state)
-                rc = release_small((Link *)link, conn, i);
+                rc = release_token((Link *)link, conn, tok);
         } else {
             PyObject *r = PyObject_CallMethodOneArg(conn, s_release_message, tok);
             Py_XDECREF(r);
@@ -924,7 +1075,7 @@ PyDoc_STRVAR(bind_doc, "bind(msg_cls, slot_cls, packer, unpack, transport_error,
              "message class.");
 
 static PyObject *
-bind(PyObject *mod, PyObject *args)
+bind_classes(PyObject *mod, PyObject *args)
 {
     PyObject *cls, *scls, *pack, *unp, *err;
     long broken, maxu;
@@ -945,7 +1096,7 @@ bind(PyObject *mod, PyObject *args)
 
 static PyMethodDef module_methods[] = {
     {"connection_methods", connection_methods, METH_O, connection_methods_doc},
-    {"bind", bind, METH_VARARGS, bind_doc},
+    {"bind", bind_classes, METH_VARARGS, bind_doc},
     {"parse", parse, METH_VARARGS, parse_doc},
     {NULL},
 };

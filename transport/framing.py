@@ -361,17 +361,19 @@ def parse_fast_record(data, p: int, n: int, slot_size: int, nslots: int) -> Opti
 # A receiver that announces CAP_RDMA_FAST in its QP HELLO also reads the common small
 # message (one buffer, a small header, credits that are counts only) in a fixed-width form,
 # which transport/_rdmafast.c writes and reads without msgpack. The payload follows the
-# head and the user header at the next ALIGN boundary, as in a DATA frame; a message that
-# returns large-message slots, or a sender without the compiled path, uses the DATA frame.
+# head and the user header at the next ALIGN boundary, as in a DATA frame; a large message
+# (WRITE WITH IMMEDIATE into a slot) takes the same form at the slot's start. A message
+# that returns more than one slot, or a sender without the compiled path, uses DATA frames.
 #
 #     tag     u32  b"MT" | VERSION | RFAST_DATA, as one little-endian u32
 #     nbytes  u32  payload length
 #     credits u16  receive credits returned (small messages the sender released)
 #     acks    u16  credit messages acknowledged
-#     ulen    u32  length of the msgpack user header that follows; 0 means {}
+#     ulen    u16  length of the msgpack user header that follows; 0 means {}
+#     slot    u16  a large-message slot returned, plus one; 0: none
 CAP_RDMA_FAST = "rdma-fast-1"
 RFAST_DATA = 6  # a SEND of rdma:// only, never a Kind: decode_prefix refuses it
-RFAST_HEAD = struct.Struct("<IIHHI")
+RFAST_HEAD = struct.Struct("<IIHHHH")
 RFAST_SIZE = RFAST_HEAD.size  # 16
 RFAST_ALIGN = 64
 TAG_RFAST = struct.unpack("<I", PREFIX.pack(MAGIC, VERSION, RFAST_DATA, 0, 0)[:4])[0]
@@ -383,10 +385,12 @@ def rfast_offset(ulen: int) -> int:
     return (RFAST_SIZE + ulen + RFAST_ALIGN - 1) // RFAST_ALIGN * RFAST_ALIGN
 
 
-def pack_rdma_fast(data, pos: int, user: bytes, nbytes: int, credits: int, acks: int) -> int:
-    """Write a fast SEND's head and user header (b"" for {}) at ``data[pos]``; the payload's
-    offset from ``pos``. The caller checked ``len(user) <= MAX_FAST_USER`` and the counts."""
-    RFAST_HEAD.pack_into(data, pos, TAG_RFAST, nbytes, credits, acks, len(user))
+def pack_rdma_fast(data, pos: int, user: bytes, nbytes: int, credits: int, acks: int,
+                   slot: Optional[int] = None) -> int:
+    """Write a fast SEND's head and user header (b"" for {}) at ``data[pos]``, returning
+    ``slot`` if given; the payload's offset from ``pos``. The caller checked ``len(user) <=
+    MAX_FAST_USER``, the counts and the slot."""
+    RFAST_HEAD.pack_into(data, pos, TAG_RFAST, nbytes, credits, acks, len(user), 0 if slot is None else slot + 1)
     if user:
         q = pos + RFAST_SIZE
         data[q:q + len(user)] = user
@@ -394,28 +398,41 @@ def pack_rdma_fast(data, pos: int, user: bytes, nbytes: int, credits: int, acks:
 
 
 def parse_rdma_fast(mem, base: int, length: int, max_payload: int) -> Optional[tuple]:
-    """The SEND of ``length`` bytes at ``mem[base]`` if it is a fast SEND: ``(user, credits,
-    acks, payload_start, nbytes)``; None if its tag says it is something else
+    """The SEND of ``length`` bytes at ``mem[base]`` if it is a fast SEND: ``(user, [credits,
+    acks, [slot, ...]], payload_start, nbytes)`` (the credit return as check_credit_return
+    reads it); None if its tag says it is something else
     (:func:`decode_in_buffer` reads those); ProtocolError if it is a malformed fast SEND.
     Reads nothing outside ``mem[base:base+length]``."""
+    return _parse_rfast(mem, base, length, max_payload, True)
+
+
+def parse_rdma_fast_slot(mem, base: int, size: int, max_payload: int) -> Optional[tuple]:
+    """The same for a WRITE WITH IMMEDIATE into the slot ``mem[base:base+size]`` (the
+    completion says no length: the frame must fit the slot): the fast form of a large
+    message; None if it is a DATA frame (:func:`decode_in_slot` reads those)."""
+    return _parse_rfast(mem, base, size, max_payload, False)
+
+
+def _parse_rfast(mem, base: int, length: int, max_payload: int, exact: bool) -> Optional[tuple]:
     if length < RFAST_SIZE:
         return None
-    tag, k, credits, acks, ulen = RFAST_HEAD.unpack_from(mem, base)
+    tag, k, credits, acks, ulen, slot = RFAST_HEAD.unpack_from(mem, base)
     if tag != TAG_RFAST:
         return None
+    ret = [credits, acks, [slot - 1] if slot else []]
     if ulen > MAX_FAST_USER:
         raise ProtocolError(f"fast SEND: a {ulen}-byte header exceeds the limit of {MAX_FAST_USER}")
     off = rfast_offset(ulen)
-    if k > max_payload or off + k != length:
+    if k > max_payload or (off + k != length if exact else off + k > length):
         raise ProtocolError(f"fast SEND of {length} bytes: {ulen} B of header and {k} B of payload "
                             f"(limit {max_payload})")
     if not ulen:
-        return {}, credits, acks, base + off, k
+        return {}, ret, base + off, k
     try:
         user = unpack_fast_user(mem[base + RFAST_SIZE:base + RFAST_SIZE + ulen])
     except Exception as e:
         raise ProtocolError(f"fast SEND: undecodable header: {e}") from None
-    return user, credits, acks, base + off, k
+    return user, ret, base + off, k
 
 
 # -- registered buffers (rdma) ---------------------------------------------------------

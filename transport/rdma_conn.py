@@ -283,7 +283,7 @@ class RdmaConnection(CompiledPath, Connection):
     def _start_link(self) -> None:
         """The compiled path (transport/_rdmafast.c) on pyverbs' QP and CQs, taking over the
         counters; without it (pyverbs' objects not recognised) the Python path runs."""
-        v, rb, sp = self._verbs, self._rbuf, self.send_pool
+        v, rb, sp, rp = self._verbs, self._rbuf, self.send_pool, self.recv_pool
         try:
             link = _rdmafast.Link(
                 qp=v.qp, qpn=v.qpn, recv_cq=v.recv_cq, send_cq=v.send_cq, rb_addr=rb.address,
@@ -295,7 +295,9 @@ class RdmaConnection(CompiledPath, Connection):
                 sig_every=self._sig_every, flush_at=self._flush_at, ack_at=self._ack_at,
                 peer_nslots=self._peer_nslots, peer_nctrl=self._peer_nctrl, peer_fast=self._peer_fast,
                 spin=self._spin, inbox=self._inbox, inflight=self._inflight, owed_slots=self._owed_slots,
-                tx_slots=self._tx_slots)
+                tx_slots=self._tx_slots, tx_free=self._tx_free, raddr=self._raddr, rkey=self._rkey,
+                rstride=self._rstride, rp_mem=rp.memory, rp_addr=rp.address, rp_stride=rp.stride,
+                rp_size=rp.slot_size, rp_free=rp._free, rp_in_use=rp._in_use)
         except LookupError:
             if self._native:
                 raise TransportError("rdma://'s compiled path does not recognise this pyverbs' QP objects") from None
@@ -761,8 +763,8 @@ class RdmaConnection(CompiledPath, Connection):
         rb = self._rbuf
         fast = framing.parse_rdma_fast(rb.memory, i * rb.stride, length, self._recv_max)
         if fast is not None:  # the compiled sender's fixed-width form (we announced CAP_RDMA_FAST)
-            user, credits, acks, p, k = fast
-            self._message(user, (k,), [credits, acks, []], rb.memory, p, i)
+            user, ret, p, k = fast
+            self._message(user, (k,), ret, rb.memory, p, i)
             return
         kind, user, lens, extra, p = framing.decode_in_buffer(rb.memory, i * rb.stride, length, rb.slot_size,
                                                               self._recv_max)
@@ -782,6 +784,11 @@ class RdmaConnection(CompiledPath, Connection):
             pool.take(s)
         except ValueError:
             raise ProtocolError(f"the peer wrote into slot {s}, which a message still holds") from None
+        fast = framing.parse_rdma_fast_slot(pool.memory, s * pool.stride, pool.slot_size, self._recv_max)
+        if fast is not None:  # the compiled sender's fixed-width form
+            user, ret, p, k = fast
+            self._message(user, (k,), ret, pool.memory, p, -1 - s)
+            return
         kind, user, lens, extra, p = framing.decode_in_slot(pool.memory, s * pool.stride, pool.slot_size,
                                                             self._recv_max)
         self._message(user, lens, extra, pool.memory, p, -1 - s)

@@ -113,12 +113,14 @@ def _native_record(data: bytes) -> None:
 
 def _rdma_fast(data: bytes) -> None:
     """The first 2 bytes cut the SEND's length short of the buffer (a completion never says
-    more than the buffer holds), the rest is what the peer wrote: rdma's fast SEND through
-    framing and through the compiled parser (transport/_rdmafast.c), which must agree."""
+    more than the buffer holds) and pick the payload limit and SEND or slot, the rest is what
+    the peer wrote: rdma's fast frame through framing and through the compiled parser
+    (transport/_rdmafast.c), which must agree."""
     if len(data) < 2:
         return
     buf = data[2:]
-    rdmalink.check_parse(buf, max(0, len(buf) - data[0] % 65), MAX_PAYLOAD if data[1] & 1 else SMALL)
+    rdmalink.check_parse(buf, max(0, len(buf) - data[0] % 65), MAX_PAYLOAD if data[1] & 1 else SMALL,
+                         slot=bool(data[1] & 2))
 
 
 TARGETS = [_next_frame, _records, _in_buffer, _in_slot, _credits, _hello, _fast_record, _native_record, _rdma_fast]
@@ -148,7 +150,7 @@ def _seeds() -> list[bytes]:
             bytes([6]) + framing.FAST_HEAD.pack(framing.TAG_FAST, 2, 100) + b"\x81\xa1k\x01",
             bytes([7]) + (4000).to_bytes(2, "little") + (20).to_bytes(4, "little")
             + framing.FAST_HEAD.pack(framing.TAG_FAST, 2, 100) + b"\x81\xa1k\x01",
-            bytes([8, 0, 1]) + framing.RFAST_HEAD.pack(framing.TAG_RFAST, 4, 1, 0, 4) + b"\x81\xa1k\x01"
+            bytes([8, 0, 1]) + framing.RFAST_HEAD.pack(framing.TAG_RFAST, 4, 1, 0, 4, 3) + b"\x81\xa1k\x01"
             + b"\0" * 44 + b"wxyz"]
 
 

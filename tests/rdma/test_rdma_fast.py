@@ -45,6 +45,24 @@ def test_the_compiled_path_carries_the_common_message(make_pair):
     assert c.stats.messages_sent == 20 and s.stats.messages_received == 20 and c._link.msgs_out == 0
     # every credit rode back on a fast SEND: no credit message was needed
     assert c._c.ctrl_budget == c._peer_nctrl and s._c.ctrl_budget == s._peer_nctrl
+    # a message above the receive buffers: WRITE WITH IMMEDIATE into a slot, in C too
+    n = 3000
+    c2, s2 = make_pair(slot_size=4096, nslots=4, small_size=1024)
+    for seq in range(12):  # three times the slots: each comes back, with its credit
+        slot = c2.alloc(n)
+        slot.array("u1", n)[:] = pattern(seq, n)
+        c2.send({"seq": seq}, [slot])
+        assert c2._link.msgs_out == 1
+        m = s2.recv(timeout=10)
+        assert type(m).__name__ == "_FastMessage" and m.header == {"seq": seq}
+        assert s2.recv_pool.contains(m.buffers[0])  # it landed in a slot
+        verify(m.buffers[0], seq, n, "fast WRITE")
+        m.release()
+        s2.send({}, [s2.alloc(0)])  # the slot goes back on the fast SEND (its head has room for one)
+        assert s2._link.msgs_out == 1
+        c2.recv(timeout=10).release()
+        c2.stats, s2.stats  # fold the counters
+    assert c2.stats.messages_sent == 12 and s2.stats.messages_received == 12
 
 
 def test_native_false_is_the_python_path(make_pair):
@@ -117,9 +135,9 @@ def test_every_mix_of_paths_interoperates(make_pair, client, server):
     assert c.stats.copies + s.stats.copies > 0  # the "bytes" shape was staged, and counted
 
 
-def _fast(nbytes=4, credits=0, acks=0, user=b"", ulen=None, length=None) -> bytes:
+def _fast(nbytes=4, credits=0, acks=0, user=b"", ulen=None, length=None, slot=0) -> bytes:
     ulen = len(user) if ulen is None else ulen
-    data = framing.RFAST_HEAD.pack(framing.TAG_RFAST, nbytes, credits, acks, ulen) + user
+    data = framing.RFAST_HEAD.pack(framing.TAG_RFAST, nbytes, credits, acks, ulen, slot) + user
     data = data.ljust(framing.rfast_offset(len(user)), b"\0") + b"p" * nbytes
     return data if length is None else data[:length].ljust(length, b"\0")
 
@@ -131,7 +149,27 @@ HOSTILE = {
     "payload-over-slot": (_fast(nbytes=300), "limit 256"),
     "credits-never-given": (_fast(nbytes=4, credits=50), "more credits than it was given"),
     "acks-never-given": (_fast(nbytes=4, acks=200), "more credits than it was given"),
+    "slot-never-given": (_fast(nbytes=4, slot=3), "credit for slot 2, which we do not hold"),
+    "slot-out-of-range": (_fast(nbytes=4, slot=100), "credit for slot 99"),
+    "write-over-slot": ("write", _fast(nbytes=2000), "limit 1024"),
+    "write-header-too-long": ("write", _fast(nbytes=0, user=b"\x90", ulen=600, length=700), "exceeds the limit"),
+    "write-credits-never-given": ("write", _fast(nbytes=4, credits=50), "more credits than it was given"),
 }
+
+
+def _raw_write(conn, data: bytes) -> None:
+    """``data`` into the peer's next free slot by WRITE WITH IMMEDIATE, as a hostile peer
+    could (its frame, its length: nothing checked here)."""
+    import socket
+
+    from transport.rdma_verbs import E
+    hdr = conn._hdr.try_alloc()  # header room: larger than a slot's payload
+    hdr.whole[:len(data)] = data
+    s = conn._tx_slots.popleft()
+    conn._tx_free[s] = 0
+    conn._c.tx_credits -= 1
+    conn._post_chain([(conn._hdr.address + hdr.offset, len(data), conn._hdr_lkey)],
+                     E.IBV_WR_RDMA_WRITE_WITH_IMM, socket.htonl(s), conn._raddr + s * conn._rstride, [], hdr)
 
 
 @pytest.mark.parametrize("receiver", list(PATHS))
@@ -140,12 +178,15 @@ def test_a_hostile_fast_send_is_the_same_error_on_either_path(make_pair, case, r
     """The compiled receiver declines what it does not take, and the Python path raises:
     the same ProtocolError whichever path the receiver runs, and the connection is torn
     down (nothing leaks: the fixture checks)."""
-    data, why = HOSTILE[case]
-    c, s = make_pair(slot_size=256, nslots=4, server_native=PATHS[receiver])
+    how, data, why = HOSTILE[case] if len(HOSTILE[case]) == 3 else ("send",) + HOSTILE[case]
+    c, s = make_pair(slot_size=256 if how == "send" else 1024, nslots=4, server_native=PATHS[receiver])
     assert s.native == (receiver == "compiled")
     send_raw(c, _fast(nbytes=3, user=msgpack.packb({"ok": 1})))  # a well-formed one first
     with s.recv(timeout=10) as m:
         assert m.header == {"ok": 1} and bytes(m.buffers[0]) == b"ppp"
-    send_raw(c, data)
+    if how == "send":
+        send_raw(c, data)
+    else:
+        _raw_write(c, data)
     with pytest.raises(ProtocolError, match=why):
         s.recv(timeout=10)

@@ -7,20 +7,24 @@ from ..errors import ProtocolError
 from ..rdma_conn import _rdmafast
 
 
-def check_parse(data: bytes, length: int, max_payload: int) -> None:
+def check_parse(data: bytes, length: int, max_payload: int, slot: bool = False) -> None:
     """For a SEND of ``length`` bytes (at most ``len(data)``: the device never completes more
-    than the buffer holds): the compiled parser takes exactly what framing.parse_rdma_fast
-    takes, with the same result, and declines everything else (which the Python path then
-    reads, and raises for if it is a malformed fast SEND)."""
+    than the buffer holds), or with ``slot`` a WRITE WITH IMMEDIATE into a slot of ``length``
+    bytes: the compiled parser takes exactly what framing.parse_rdma_fast (_slot) takes, with
+    the same result, and declines everything else (which the Python path then reads, and
+    raises for if it is malformed)."""
     assert 0 <= length <= len(data)
+    parse = framing.parse_rdma_fast_slot if slot else framing.parse_rdma_fast
     try:
-        want = framing.parse_rdma_fast(data, 0, length, max_payload)
+        want = parse(data, 0, length, max_payload)
     except ProtocolError:
         want = None
     if want is not None:
-        _, _, _, start, k = want
-        assert framing.RFAST_SIZE <= start and start + k == length and k <= max_payload
+        _, ret, start, k = want
+        framing.check_credit_return(ret)  # the form every credit return has
+        assert framing.RFAST_SIZE <= start and k <= max_payload
+        assert start + k <= length if slot else start + k == length
     if _rdmafast is None:
         return
-    got = _rdmafast.parse(data, length, max_payload)
+    got = _rdmafast.parse(data, length, max_payload, slot)
     assert got == want, (got, want)
