@@ -1021,6 +1021,15 @@ conn_recv(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwname
         if (t < spin)
             spin = t > 0 ? t : 0;
     }
+    if (open && link->sq_used > link->sq_depth / 2) {
+        /* retire completed sends before the queue fills (the spin below watches only the
+         * receive CQ: a send completion in the middle of it would delay the reply; a dead
+         * peer shows in the Python wait that follows a fruitless spin) */
+        if (poll_send(link, conn) < 0)
+            return NULL;
+        if (!link->open || (open = fp_conn_open(&fp, conn)) < 0)
+            return link->open ? NULL : fp_delegate(conn, s_recv_py, args, nargsf, kwnames);
+    }
     if (open) {
         double end = -1;
         struct ibv_wc wc[NPOLL];
@@ -1040,14 +1049,6 @@ conn_recv(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwname
                 Py_DECREF(m);
             } else if (got < 0) {
                 break;
-            } else if (link->sq_used > 0) {
-                /* our sends complete meanwhile (their slots come back; a failed one is
-                 * how a dead peer shows), as the Python wait watches both CQs */
-                got = poll_send(link, conn);
-                if (got < 0)
-                    return NULL;
-                if (!link->open)
-                    break;
             }
             if (got > 0 && (open = fp_conn_open(&fp, conn)) <= 0) {
                 if (open < 0)
