@@ -687,7 +687,7 @@ poll_recv(Link *self, PyObject *conn)
     struct ibv_wc wc[NPOLL];
     int n = ibv_poll_cq(self->rcq, NPOLL, wc);
     if (n <= 0)
-        return n < 0 ? 0 : 0;  /* a polling error surfaces as the QP's, through the Python path */
+        return 0;  /* none, or a polling error: that surfaces as the QP's, through the Python path */
     return process_recv(self, conn, wc, n) < 0 ? -1 : n;
 }
 
