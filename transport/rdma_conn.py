@@ -676,33 +676,34 @@ class RdmaConnection(CompiledPath, Connection):
 
     # ------------------------------------------------------------------ completions
     def _poll_send(self) -> int:
+        """One poll of the send CQ, the in-flight records up to each completion retired (in C
+        where the compiled path runs); after a QP error, all of them."""
         inflight = self._inflight
         if self._link is not None:
             n = self._link.poll_send(self)
         else:
             n, wcs = self._send_cq.poll(16)
-        for wc in (() if self._link is not None else wcs):
-            if wc.status != E.IBV_WC_SUCCESS:
-                self._send_failed(wc.status)
-            wid = wc.wr_id
-            while inflight:
-                rec = inflight.popleft()
-                self._c.sq_used -= rec[1]
-                for s in rec[2]:
-                    s.release()
-                if rec[3] is not None:
-                    rec[3].release()
-                if rec[0] == wid:
-                    break
+            for wc in wcs:
+                if wc.status != E.IBV_WC_SUCCESS:
+                    self._send_failed(wc.status)
+                while inflight:
+                    rec = inflight.popleft()
+                    self._retire(rec)
+                    if rec[0] == wc.wr_id:
+                        break
         if self._qp_error:  # flushed or not, nothing in flight will complete any more
             while inflight:
-                rec = inflight.popleft()
-                for s in rec[2]:
-                    s.release()
-                if rec[3] is not None:
-                    rec[3].release()
+                self._retire(inflight.popleft())
             self._c.sq_used = 0
         return n
+
+    def _retire(self, rec: list) -> None:
+        """A completed in-flight record: its send queue entries and slots come back."""
+        self._c.sq_used -= rec[1]
+        for s in rec[2]:
+            s.release()
+        if rec[3] is not None:
+            rec[3].release()
 
     def _send_failed(self, status: int) -> None:
         self._fail(f"send failed: {_wc_status(status)}")
