@@ -159,7 +159,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     gw.add_argument("--balancing", default=None, choices=["load-aware", "least-loaded"],
                     help="replica choice for replicated experts (default load-aware)")
     gw.add_argument("--chunk-rows", default=None, type=chunk_rows_flag, metavar="auto|off|ROWS",
-                    help="pipelined rounds: rows per message to a worker (default auto)")
+                    help="pipelined rounds: at most this many rows per message to a worker (default auto)")
     ex = p.add_argument_group("experiments: several started gateways, each a ramp to its knee, one report")
     ex.add_argument("--sweep", default=None, metavar="KEY=V1,V2,...",
                     help="one ramp per value of n_experts, top_k or d_model, e.g. n_experts=8,16,32: a table of "

@@ -2,7 +2,8 @@
 
 A worker's part of a round is one block of rows grouped by expert. Sent whole, the worker
 computes only once the whole block has arrived, and the gateway waits while it computes.
-Cut into chunks of ``C`` rows, each its own message, the worker starts on the first chunk
+Cut into chunks of at most ``C`` rows (between expert groups where it can: :func:`part_bounds`),
+each its own message, the worker starts on the first chunk
 while the next is gathered and in flight, and a request whose rows all came back is combined
 while the worker computes the rest. What that can save is the worker's time with no token
 to compute in a round sent whole; what it costs is a message per chunk and, a smaller
@@ -147,6 +148,31 @@ def choose_chunk_rows(rows: int, setting: ChunkSetting, costs: Optional[ChunkCos
             best, best_net = c, net
         c *= 2
     return best
+
+
+def part_bounds(groups: Sequence[Sequence[int]], rows: int, size: int) -> list[int]:
+    """Where a part of ``rows`` rows is cut into chunks of at most ``size`` rows: the row
+    offsets ``[0, ..., rows]``. A worker computes each expert group with one matrix product,
+    and a group cut in two runs as two smaller, slower ones, so cuts fall between groups:
+    whole groups are packed into a chunk while they fit, and only a group longer than
+    ``size`` is cut, into equal pieces (not ``size`` and a sliver), its last piece packed
+    with what follows. ``groups`` ((expert, start, count, ...), in row order) tile the part."""
+    if size <= 0 or size >= rows:
+        return [0, rows] if rows > 0 else [0]
+    bounds, start = [0], 0  # start: first row of the chunk being filled
+    for g in groups:
+        s, n = int(g[1]), int(g[2])
+        if s + n - start <= size:
+            continue  # fits in the chunk being filled
+        if s > start:
+            bounds.append(s)  # close it before this group
+            start = s
+        if n > size:  # a long group: equal pieces, the last one left open
+            k = -(-n // size)
+            bounds.extend(s + n * i // k for i in range(1, k))
+            start = bounds[-1]
+    bounds.append(rows)
+    return bounds
 
 
 def chunk_groups(groups: Sequence[Sequence[int]], lo: int, hi: int) -> list[tuple]:

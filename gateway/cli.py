@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     bat.add_argument("--max-inflight-rounds", type=int, default=2, help="rounds out at the workers at once")
     bat.add_argument("--max-batch-requests", type=int, default=256, help="requests per round at most")
     bat.add_argument("--chunk-rows", type=chunk_rows_flag, default="auto", metavar="auto|off|ROWS",
-                     help="pipelined rounds: a worker's part goes as messages of this many rows, so it computes "
+                     help="pipelined rounds: a worker's part goes as messages of at most this many rows, cut between "
+                          "expert groups where it can (a cut group is two slower products), so it computes "
                           "the first while the next is in flight and replies are combined as they land; auto "
                           "(default) sizes them from each worker's measured per-message cost and compute rate, "
                           "and sends one message where chunks would not pay (gateway/chunking.py)")

@@ -9,7 +9,7 @@ worker occupies two rows of that worker's block.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -223,9 +223,13 @@ class DispatchPlan:
 
     # -- combine as chunks land --------------------------------------------
 
-    def accumulator(self, d: int) -> np.ndarray:
+    def accumulator(self, d: int, into: Optional[np.ndarray] = None) -> np.ndarray:
         """A zeroed float32 (T, d) sum for :meth:`accumulate` (tokens whose every slot was
-        dropped stay 0, as :meth:`combine` makes them)."""
+        dropped stay 0, as :meth:`combine` makes them): ``into`` itself when it is a float32
+        (T, d) array (the output, summed in place), else a new one."""
+        if into is not None and into.dtype == np.float32 and into.shape == (self.num_tokens, d):
+            into[...] = 0
+            return into
         return np.zeros((self.num_tokens, d), np.float32)
 
     def accumulate(self, w: int, lo: int, hi: int, y: np.ndarray, acc: np.ndarray) -> None:

@@ -184,7 +184,8 @@ class WorkerPool:
     def forward(self, x: np.ndarray, out: Optional[np.ndarray] = None, *,
                 timeout: Optional[float] = None, layer: int = P.DEFAULT_LAYER) -> tuple[np.ndarray, BatchStats]:
         """The MoE layer ``layer`` on ``x`` (T, d_model): returns (y, per-stage stats). Raises
-        WorkerError (or NoHealthyWorker) when the workers fail this batch; never hangs."""
+        WorkerError (or NoHealthyWorker) when the workers fail this batch (``out``, if given,
+        then holds no result); never hangs."""
         x = np.asarray(x)
         if x.dtype != self.dtype and P.dtype_name(x.dtype) == P.dtype_name(self.dtype):
             x = x.view(self.dtype)  # bf16 as uint16 bits or as ml_dtypes.bfloat16: the same bytes
@@ -194,7 +195,7 @@ class WorkerPool:
             raise ValueError(f"out must be {x.shape} {P.dtype_name(self.dtype)}, got {out.shape} {out.dtype}")
         if not x.flags.c_contiguous:
             x = np.ascontiguousarray(x)
-        req = Request(x, layer=layer)
+        req = Request(x, layer=layer, out=out)
         self.rounds.dispatch([req])
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout) * 2
         while not req.finished:

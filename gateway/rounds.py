@@ -33,13 +33,15 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from gateway.chunking import ChunkMode, ChunkSetting, choose_chunk_rows, chunk_groups, parse_chunk_rows
+from gateway.chunking import (ChunkMode, ChunkSetting, choose_chunk_rows, chunk_groups, parse_chunk_rows,
+                              part_bounds)
 from gateway.dispatch import DispatchPlan, split_over_replicas
 from gateway.replicas import BALANCING, choose_least_loaded, choose_replicas
 from gateway.router import Routing
@@ -102,9 +104,10 @@ class Request:
     """One token batch inside the gateway, across its attempts."""
 
     __slots__ = ("x", "tag", "layer", "routing", "plan", "pins", "error", "attempts", "round", "bases", "waiting",
-                 "finished", "arrived", "acc")
+                 "finished", "arrived", "acc", "out")
 
-    def __init__(self, x: np.ndarray, tag: Any = None, layer: int = P.DEFAULT_LAYER):
+    def __init__(self, x: np.ndarray, tag: Any = None, layer: int = P.DEFAULT_LAYER,
+                 out: Optional[np.ndarray] = None):
         self.x: Optional[np.ndarray] = x
         self.tag = tag  # the caller's (the server keeps the client connection and message there)
         self.layer = layer
@@ -119,6 +122,9 @@ class Request:
         self.finished = False
         self.arrived = time.perf_counter()
         self.acc: Optional[np.ndarray] = None  # float32 sum of a chunked round's replies so far
+        # where the caller wants the output, if known when it is dispatched: a float32 one is
+        # a chunked round's sum itself, so nothing is copied once the last chunk is in
+        self.out = out
 
     @property
     def num_tokens(self) -> int:
@@ -136,7 +142,8 @@ class Request:
         rnd = self.round
         t = time.perf_counter()
         if self.acc is not None:  # a chunked round: summed as the chunks landed
-            self.plan.finish(self.acc, out)
+            if self.acc is not out:
+                self.plan.finish(self.acc, out)
             rnd.stats.combine_s += time.perf_counter() - t
             return out
         outputs = []
@@ -156,7 +163,7 @@ class Request:
         rnd, self.round = self.round, None
         if rnd is not None:
             rnd.detach(self)
-        self.x = self.acc = None
+        self.x = self.acc = self.out = None
 
 
 class Round:
@@ -166,7 +173,7 @@ class Round:
         self.requests = requests
         self.deadline = deadline
         self.rows: dict = {}  # worker -> rows of its part
-        self.chunk: dict = {}  # worker -> rows per message of its part (= rows: one message)
+        self.bounds: dict = {}  # worker -> its part's chunk offsets [0, ..., rows] ([0, rows]: one message)
         self.groups: dict = {}  # worker -> its part's groups (expert, start, count[, version])
         self.replies: dict = {}  # worker -> per chunk: (Message, (rows, d) view), or None
         self.nchunks: dict = {}  # worker -> messages its part goes in
@@ -200,16 +207,16 @@ class Round:
 
     @property
     def chunked(self) -> bool:
-        return any(self.chunk[w] < n for w, n in self.rows.items())
+        return any(len(b) > 2 for b in self.bounds.values())
 
     def chunks_of(self, req: Request, w: int) -> range:
         """The chunks of worker ``w``'s part that hold ``req``'s rows."""
-        base, size = req.bases[w], self.chunk[w]
-        return range(base // size, (base + req.plan.worker_tokens(w) - 1) // size + 1)
+        base, b = req.bases[w], self.bounds[w]
+        return range(bisect_right(b, base) - 1, bisect_left(b, base + req.plan.worker_tokens(w)))
 
     def chunk_bounds(self, w: int, c: int) -> tuple[int, int]:
-        size = self.chunk[w]
-        return c * size, min((c + 1) * size, self.rows[w])
+        b = self.bounds[w]
+        return b[c], b[c + 1]
 
     @property
     def settled(self) -> bool:
@@ -234,7 +241,7 @@ class RoundBook:
     versions a new request of that layer is served by (hot update); ``pinned_router(layer,
     pins)``: the router those pins route with, None for the layer's own. ``chunk_rows``:
     "auto" (sized from what each worker's replies measured), 0 (a part is one message) or
-    rows per message."""
+    at most that many rows per message (cut between expert groups: chunking.part_bounds)."""
 
     def __init__(self, workers: WorkerSet, router, *, dtype: np.dtype, max_batch_tokens: int, timeout: float,
                  split_replicas: bool = True, min_split: int = 16,
@@ -421,11 +428,13 @@ class RoundBook:
                     base += n
             if base:
                 rnd.rows[w] = base
-                rnd.chunk[w] = choose_chunk_rows(base, self.chunk_rows, self.workers[w].chunk_costs)
+                rnd.groups[w] = self._part_groups(rnd, w)
+                size = choose_chunk_rows(base, self.chunk_rows, self.workers[w].chunk_costs)
+                rnd.bounds[w] = part_bounds(rnd.groups[w], base, size)
         # auto: the size model would chunk this round; measured costs say whether to
         rnd.eligible = self.chunk_rows == "auto" and rnd.chunked
         if rnd.eligible and not self.chunk_mode.want_chunks(measurable=rnd.alone):
-            rnd.chunk = dict(rnd.rows)
+            rnd.bounds = {w: [0, n] for w, n in rnd.rows.items()}
         for w in rnd.rows:
             users = [r for r in reqs if w in r.bases]
             rnd.users[w] = len(users)
@@ -433,20 +442,20 @@ class RoundBook:
                 r.waiting.update((w, c) for c in rnd.chunks_of(r, w))
         chunked = rnd.chunked
         for r in reqs:
-            r.acc = r.plan.accumulator(self.d_model) if chunked and r.waiting else None
+            r.acc = None
+            if chunked and r.waiting:
+                r.acc = r.plan.accumulator(self.d_model, into=r.out)
             if not r.waiting:  # every token dropped by capacity: nothing to wait for
                 self._finish(r)
 
     def _send(self, rnd: Round) -> None:
         for w_index, rows in list(rnd.rows.items()):
             w = self.workers[w_index]
-            size = rnd.chunk[w_index]
-            n = -(-rows // size)
+            n = len(rnd.bounds[w_index]) - 1
             rnd.outstanding.add(w_index)
             rnd.nchunks[w_index] = rnd.left[w_index] = n
             rnd.left_rows[w_index], rnd.sent[w_index] = rows, 0
             rnd.replies[w_index] = [None] * n
-            rnd.groups[w_index] = self._part_groups(rnd, w_index)
             w.outstanding_rows += rows
             for c in range(n):
                 queue = self._backlog.get(w_index)
@@ -684,7 +693,7 @@ class RoundBook:
             del self.rounds[rnd.id]
             if rnd.alone and rnd.rows:
                 for wi, busy in rnd.busy.items():  # what chunks could have hidden: its time with no token
-                    if rnd.chunk[wi] >= rnd.rows[wi]:
+                    if len(rnd.bounds[wi]) == 2:
                         self.workers[wi].chunk_costs.record_idle(max(0.0, rnd.stats.total_s - busy))
                 # rounds the size model would chunk, timed per row, whole and chunked
                 if rnd.eligible and not any(r.error is not None for r in rnd.requests):

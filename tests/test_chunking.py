@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.chunking import MIN_CHUNK, ChunkCosts, choose_chunk_rows, chunk_groups, parse_chunk_rows
+from gateway.chunking import MIN_CHUNK, ChunkCosts, choose_chunk_rows, chunk_groups, parse_chunk_rows, part_bounds
 from gateway.dispatch import DispatchPlan
 from workers import bf16
 
@@ -117,6 +117,63 @@ def test_chunk_groups_tile_the_block(counts, size, versioned):
             at += g[2]
         assert at == hi - lo
     assert seen == [(g[0], g[1] + i) for g in groups for i in range(g[2])]
+
+
+def _groups(counts) -> list:
+    groups, start = [], 0
+    for e, n in enumerate(counts):
+        groups.append((e, start, n))
+        start += n
+    return groups
+
+
+@settings(max_examples=300, deadline=None)
+@given(counts=st.lists(st.integers(1, 300), min_size=1, max_size=12), size=st.integers(0, 400))
+def test_part_bounds_cut_between_groups(counts, size):
+    """Chunks tile the part in at most ``size`` rows each; a cut falls inside a group only if
+    that group is longer than ``size``, and then into equal pieces; a chunk is closed only
+    when the next group would not fit in it."""
+    groups = _groups(counts)
+    rows = sum(counts)
+    b = part_bounds(groups, rows, size)
+    assert b[0] == 0 and b[-1] == rows and all(x < y for x, y in zip(b, b[1:]))
+    if size <= 0 or size >= rows:
+        assert b == [0, rows]
+        return
+    assert all(y - x <= size for x, y in zip(b, b[1:]))
+    starts = {g[1] for g in groups}
+    for cut in b[1:-1]:
+        if cut in starts:
+            continue
+        g = next(g for g in groups if g[1] < cut < g[1] + g[2])
+        assert g[2] > size  # only a long group is cut inside
+        k = -(-g[2] // size)
+        assert cut - g[1] in {g[2] * i // k for i in range(1, k)}  # at one of its equal pieces
+    # greedy: a cut before a group that fits in a chunk is needed (the next chunk would not
+    # fit in this one); a long group starts a chunk of its own pieces
+    count_at = {g[1]: g[2] for g in groups}
+    for x, y, z in zip(b, b[1:], b[2:]):
+        if count_at.get(y, size + 1) <= size:
+            assert z - x > size
+
+
+def test_part_bounds_examples():
+    # groups 100, 100, 100, 300, 20 rows at most 250 rows a chunk: 200 | 100 | 150 150 (+20)
+    assert part_bounds(_groups([100, 100, 100, 300, 20]), 620, 250) == [0, 200, 300, 450, 620]
+    assert part_bounds(_groups([64] * 8), 512, 128) == [0, 128, 256, 384, 512]
+    assert part_bounds(_groups([64] * 8), 512, 100) == [0, 64, 128, 192, 256, 320, 384, 448, 512]
+    assert part_bounds(_groups([10]), 10, 0) == [0, 10]  # off: one message
+    assert part_bounds(_groups([257]), 257, 256) == [0, 128, 257]  # not 256 rows and a sliver
+
+
+def test_accumulator_sums_into_a_float32_output():
+    plan, rng = _plan()
+    out = np.full((plan.num_tokens, 4), 7.0, np.float32)
+    assert plan.accumulator(4, into=out) is out and not out.any()  # zeroed, summed in place
+    assert plan.accumulator(4, into=np.empty((plan.num_tokens, 5), np.float32)).shape == (plan.num_tokens, 4)
+    half = np.empty((plan.num_tokens, 4), bf16.wire_dtype("bfloat16"))
+    acc = plan.accumulator(4, into=half)  # a narrow output is summed in float32 and rounded once
+    assert acc is not half and acc.dtype == np.float32
 
 
 def _plan(T=23, k=3, n_workers=3, n_experts=6, seed=0):
