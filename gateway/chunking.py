@@ -29,6 +29,7 @@ PROBES = 3  # then rounds sent in chunks, to measure them
 SAMPLES = 8  # the last rounds of each way that the choice looks at
 MODE_MARGIN = 0.05  # chunks are kept only if that much cheaper per row (rounds vary more)
 PROBE_EVERY = 16  # one round in this many goes the other way, so both stay measured
+EDGE = 8  # a part's first and last chunks are at most 1/EDGE of the size (see taper)
 
 ChunkSetting = Union[str, int]  # "auto", or a fixed size in rows (0: never chunk)
 
@@ -81,6 +82,11 @@ class ChunkCosts:
 
     send_s: Optional[float] = None  # the gateway's time to send one (after its gather)
     serve_s: Optional[float] = None  # the worker's time on one outside its compute
+    # the worker's time between replying to one chunk and taking the next one, already
+    # sent: its reply's send, its loop, and its own copying of bytes where the transport
+    # makes it copy (tcp: growing with the rows). Decayed sums for a line gap = a + b rows,
+    # whose a is what one more message costs: [n, rows, gap, rows^2, rows*gap]
+    gaps: list = field(default_factory=lambda: [0.0] * 5)
     idle_s: Optional[float] = None  # its time with no token to compute in a round sent whole
     per_row: dict = field(default_factory=dict)  # bucket -> [decayed seconds, decayed rows]
 
@@ -89,13 +95,33 @@ class ChunkCosts:
         """The fixed cost of one more message, or None until both sides were measured."""
         if self.send_s is None or self.serve_s is None:
             return None
-        return self.send_s + self.serve_s
+        return self.send_s + self.serve_s + (self.gap_s or 0.0)
+
+    @property
+    def gap_s(self) -> Optional[float]:
+        """The fixed part of the worker's gap between chunks (the line's intercept, clamped
+        to [0, mean]); the mean itself where the sizes seen do not spread enough to fit."""
+        n, sx, sy, sxx, sxy = self.gaps
+        if n <= 0:
+            return None
+        mean = sy / n
+        den = n * sxx - sx * sx
+        if den <= 1e-9 * max(1.0, n * sxx):
+            return mean
+        slope = max(0.0, (n * sxy - sx * sy) / den)
+        return min(mean, max(0.0, (sy - slope * sx) / n))
 
     def record_send(self, seconds: float) -> None:
         self.send_s = _decayed(self.send_s, seconds)
 
     def record_serve(self, seconds: float) -> None:
         self.serve_s = _decayed(self.serve_s, seconds)
+
+    def record_gap(self, seconds: float, rows: int) -> None:
+        if 0.0 <= seconds < 1.0 and rows > 0:  # else a worker clock from elsewhere, or a stop
+            g = self.gaps
+            for i, v in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
+                g[i] = DECAY * g[i] + v
 
     def record_idle(self, seconds: float) -> None:
         """A round that sent this worker its part whole, alone in flight (with other rounds
@@ -119,15 +145,19 @@ class ChunkCosts:
         return s / n if n > 0 else None
 
 
-def choose_chunk_rows(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts]) -> int:
+def choose_chunk_rows(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
+                      groups: Optional[Sequence[Sequence[int]]] = None) -> int:
     """Rows per chunk for a part of ``rows`` rows; ``rows`` itself means one message.
 
     Fixed: that size (0: one message). Auto: of the powers of two from MIN_CHUNK that leave
-    at least two chunks, the one whose expected saving most exceeds its cost, where with n
-    chunks the saving is the worker's measured no-token time times (1 - 1/n) (the fill
-    that overlaps), and the cost n messages plus the rows times the extra compute per row
-    measured at that size (or the nearest size measured); one message when none saves more
-    than MARGIN of the part's compute, or before the first rounds measured it."""
+    at least two chunks, the one whose expected saving most exceeds its cost. The saving is
+    the worker's measured no-token time less what stays exposed: the first chunk's gather
+    before the worker starts and the last one's sum after it ends, so the no-token time
+    times (first + last) / (2 rows) -- 1/n for n equal chunks. The cost is n messages plus
+    the rows times the extra compute per row measured at that size (or the nearest size
+    measured). One message when none saves more than MARGIN of the part's compute, or
+    before the first rounds measured it. With the part's ``groups``, the chunks are the
+    ones :func:`split_part` makes of it at that size, else equal ones."""
     if rows <= 1:
         return max(rows, 0)
     if setting != "auto":
@@ -141,9 +171,14 @@ def choose_chunk_rows(rows: int, setting: ChunkSetting, costs: Optional[ChunkCos
     best, best_net = rows, MARGIN * rows * whole
     c = MIN_CHUNK
     while 2 * c <= rows:
-        n = -(-rows // c)
+        if groups is not None:
+            b = split_part(groups, rows, c)
+            n, exposed = len(b) - 1, (b[1] + b[-1] - b[-2]) / (2 * rows)
+        else:
+            n = -(-rows // c)
+            exposed = 1 / n
         spr = costs.seconds_per_row(c) or whole
-        net = costs.idle_s * (1 - 1 / n) - n * costs.msg_s - rows * max(0.0, spr - whole)
+        net = costs.idle_s * (1 - exposed) - n * costs.msg_s - rows * max(0.0, spr - whole)
         if net > best_net:
             best, best_net = c, net
         c *= 2
@@ -173,6 +208,33 @@ def part_bounds(groups: Sequence[Sequence[int]], rows: int, size: int) -> list[i
             start = bounds[-1]
     bounds.append(rows)
     return bounds
+
+
+def taper(bounds: list[int], groups: Sequence[Sequence[int]], edge: int) -> list[int]:
+    """``bounds`` (from :func:`part_bounds`, more than one chunk) with the first and the last
+    chunk cut to at most ``edge`` rows: the worker starts once the first chunk is gathered and
+    sent, and the round ends once the last chunk's reply is summed, so those two are what
+    the overlap cannot hide. A cut goes at a group start where one leaves the edge chunk
+    non-empty and within ``edge``, else ``edge`` rows in."""
+    if len(bounds) <= 2 or edge <= 0:
+        return bounds
+    starts = [int(g[1]) for g in groups]
+    out = list(bounds)
+    lo, hi = out[0], out[1]
+    if hi - lo > edge:
+        inside = [s for s in starts if lo < s <= lo + edge]
+        out.insert(1, max(inside) if inside else lo + edge)
+    lo, hi = out[-2], out[-1]
+    if hi - lo > edge:
+        inside = [s for s in starts if lo < s and hi - s <= edge]
+        out.insert(len(out) - 1, min(inside) if inside else hi - edge)
+    return out
+
+
+def split_part(groups: Sequence[Sequence[int]], rows: int, size: int) -> list[int]:
+    """A part's chunk offsets at chunk size ``size``: :func:`part_bounds`, then
+    :func:`taper` with edge chunks of 1/EDGE of it."""
+    return taper(part_bounds(groups, rows, size), groups, size // EDGE)
 
 
 def chunk_groups(groups: Sequence[Sequence[int]], lo: int, hi: int) -> list[tuple]:

@@ -40,8 +40,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from gateway.chunking import (ChunkMode, ChunkSetting, choose_chunk_rows, chunk_groups, parse_chunk_rows,
-                              part_bounds)
+from gateway.chunking import ChunkMode, ChunkSetting, choose_chunk_rows, chunk_groups, parse_chunk_rows, split_part
 from gateway.dispatch import DispatchPlan, split_over_replicas
 from gateway.replicas import BALANCING, choose_least_loaded, choose_replicas
 from gateway.router import Routing
@@ -145,6 +144,7 @@ class Request:
             if self.acc is not out:
                 self.plan.finish(self.acc, out)
             rnd.stats.combine_s += time.perf_counter() - t
+            rnd.combined()
             return out
         outputs = []
         for w in range(self.plan.n_workers):
@@ -156,6 +156,7 @@ class Request:
                 outputs.append(rnd.replies[w][0][1][base:base + n])
         self.plan.combine(outputs, out)
         rnd.stats.combine_s += time.perf_counter() - t
+        rnd.combined()
         return out
 
     def release(self) -> None:
@@ -180,6 +181,8 @@ class Round:
         self.left: dict = {}  # worker -> chunks not answered yet
         self.left_rows: dict = {}  # worker -> rows not answered yet (they count as its load)
         self.sent: dict = {}  # worker -> chunks sent
+        self.last_reply: dict = {}  # worker -> (its reply clock t_out, our receive time) of its last chunk
+        self.sent_t: dict = {}  # (worker, chunk) -> when we sent it (chunked parts only)
         self.answered: set = set()  # (worker, chunk) answered
         self.busy: dict = {}  # worker -> its seconds handling our messages (receive to reply)
         self.compute: dict = {}  # worker -> its compute seconds
@@ -188,10 +191,22 @@ class Round:
         self.alone = True  # no other round was out during its life (its idle times are its own)
         self.eligible = False  # auto, and the size model would chunk it (ChunkMode measures these)
         self.users: dict = {}  # worker -> requests of this round still using its reply
+        # a round timed for the chunk choice: called with its seconds from its plan to its
+        # last request's combine, once that is done (to_combine: requests still to combine)
+        self.on_combined: Optional[Callable[["Round", float], None]] = None
+        self.to_combine = 0
         self.stats = BatchStats(requests=len(requests))
         self._t0 = time.perf_counter()
         self.sent_at = self._t0
         self.started = time.monotonic()
+
+    def combined(self) -> None:
+        """One of its requests was combined: the last one ends a timed round's clock."""
+        if self.on_combined is not None:
+            self.to_combine -= 1
+            if self.to_combine <= 0:
+                done, self.on_combined = self.on_combined, None
+                done(self, time.perf_counter() - self._t0)
 
     def detach(self, req: Request) -> None:
         for w in req.bases:
@@ -329,6 +344,7 @@ class RoundBook:
         self._plan(rnd)
         self.rounds[rnd.id] = rnd
         self._send(rnd)
+        self._sums(rnd)
         rnd.stats.dispatch_s = time.perf_counter() - t
         rnd.sent_at = time.perf_counter()
         self._check_settled(rnd)
@@ -429,8 +445,8 @@ class RoundBook:
             if base:
                 rnd.rows[w] = base
                 rnd.groups[w] = self._part_groups(rnd, w)
-                size = choose_chunk_rows(base, self.chunk_rows, self.workers[w].chunk_costs)
-                rnd.bounds[w] = part_bounds(rnd.groups[w], base, size)
+                size = choose_chunk_rows(base, self.chunk_rows, self.workers[w].chunk_costs, rnd.groups[w])
+                rnd.bounds[w] = split_part(rnd.groups[w], base, size)
         # auto: the size model would chunk this round; measured costs say whether to
         rnd.eligible = self.chunk_rows == "auto" and rnd.chunked
         if rnd.eligible and not self.chunk_mode.want_chunks(measurable=rnd.alone):
@@ -440,13 +456,19 @@ class RoundBook:
             rnd.users[w] = len(users)
             for r in users:
                 r.waiting.update((w, c) for c in rnd.chunks_of(r, w))
-        chunked = rnd.chunked
         for r in reqs:
-            r.acc = None
-            if chunked and r.waiting:
-                r.acc = r.plan.accumulator(self.d_model, into=r.out)
+            r.acc = None  # a chunked round's sums are made once its messages are out (_sums)
             if not r.waiting:  # every token dropped by capacity: nothing to wait for
                 self._finish(r)
+
+    def _sums(self, rnd: Round) -> None:
+        """A chunked round's zeroed sums, made after its messages went (the first reply can
+        only be read after this returns): zeroing them is off the path to the first
+        worker's start."""
+        if rnd.chunked:
+            for r in rnd.requests:
+                if r.round is rnd and r.waiting and r.acc is None:
+                    r.acc = r.plan.accumulator(self.d_model, into=r.out)
 
     def _send(self, rnd: Round) -> None:
         for w_index, rows in list(rnd.rows.items()):
@@ -529,6 +551,8 @@ class RoundBook:
         self._msgs[(w.index, mid)] = (rnd, c)
         rnd.msg_ids.append((w.index, mid))
         rnd.sent[w.index] += 1
+        if not whole:
+            rnd.sent_t[(w.index, c)] = time.perf_counter()
         st = rnd.stats
         st.messages += 1
         st.gather_s += t1 - t0
@@ -596,6 +620,7 @@ class RoundBook:
         busy = _duration(h, cs)
         w.chunk_costs.record_compute(rows, cs)
         w.chunk_costs.record_serve(busy - cs)
+        self._record_gap(rnd, w, c, h)
         st = rnd.stats
         rnd.compute[w.index] = rnd.compute.get(w.index, 0.0) + cs
         rnd.busy[w.index] = rnd.busy.get(w.index, 0.0) + busy
@@ -626,6 +651,20 @@ class RoundBook:
         self._check_settled(rnd)
         if self._backlog.get(w.index):
             self.pump()  # its reply returned a credit
+
+    @staticmethod
+    def _record_gap(rnd: Round, w: WorkerLink, c: int, h: dict) -> None:
+        """The worker's time from replying to chunk c - 1 to taking chunk c, when chunk c
+        was already sent as that reply came (each clock compared only with itself)."""
+        t_in, t_out = h.get("t_in"), h.get("t_out")
+        prev = rnd.last_reply.get(w.index)
+        now = time.perf_counter()
+        if isinstance(t_out, float):
+            rnd.last_reply[w.index] = (t_out, now)
+        sent = rnd.sent_t.get((w.index, c))
+        if prev is not None and sent is not None and isinstance(t_in, float) and sent < prev[1] and t_in >= prev[0]:
+            lo, hi = rnd.chunk_bounds(w.index, c)
+            w.chunk_costs.record_gap(t_in - prev[0], hi - lo)
 
     @staticmethod
     def _answered(rnd: Round, w: WorkerLink, rows: int) -> None:
@@ -691,16 +730,26 @@ class RoundBook:
             rnd.stats.wait_s = now - rnd.sent_at
             rnd.stats.total_s = now - rnd._t0
             del self.rounds[rnd.id]
-            if rnd.alone and rnd.rows:
-                for wi, busy in rnd.busy.items():  # what chunks could have hidden: its time with no token
-                    if len(rnd.bounds[wi]) == 2:
-                        self.workers[wi].chunk_costs.record_idle(max(0.0, rnd.stats.total_s - busy))
-                # rounds the size model would chunk, timed per row, whole and chunked
-                if rnd.eligible and not any(r.error is not None for r in rnd.requests):
-                    self.chunk_mode.record(rnd.chunked, rnd.stats.total_s, sum(rnd.rows.values()))
+            if rnd.alone and rnd.rows and not any(r.error is not None for r in rnd.requests):
+                # timed to its last combine: a part sent whole is combined after its last
+                # reply, and that combine is what chunks, summed as they land, hide
+                rnd.to_combine = sum(r.round is rnd for r in rnd.requests)
+                rnd.on_combined = self._timed
+                if not rnd.to_combine:
+                    rnd.combined()
             for key in rnd.msg_ids:  # a late reply to one of them is now unknown: released
                 self._msgs.pop(key, None)
             self._settled.append(rnd)
+
+    def _timed(self, rnd: Round, seconds: float) -> None:
+        """A round alone in flight, from its plan to its last combine: each worker's time in
+        it with no token to compute (parts sent whole: what chunks could hide), and, for
+        rounds the size model would chunk, its time per row, whole or chunked."""
+        for wi, busy in rnd.busy.items():
+            if len(rnd.bounds[wi]) == 2:
+                self.workers[wi].chunk_costs.record_idle(max(0.0, seconds - busy))
+        if rnd.eligible:
+            self.chunk_mode.record(rnd.chunked, seconds, sum(rnd.rows.values()))
 
     # -- what the owner takes --------------------------------------------------------------------
     def take_finished(self) -> list[Request]:

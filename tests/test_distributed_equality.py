@@ -8,6 +8,7 @@ configuration, started on first use). shm cases FAIL while transport.shm does no
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -189,6 +190,32 @@ def test_a_hot_replicated_expert_is_split_over_its_replicas(backend):
 NOISY = dict(top_k=2, noisy=True, noise_std=0.5)
 
 
+def test_round_timed_to_its_last_combine(backend):
+    """What auto's chunk choice stands on: a part sent whole leaves its worker idle while the
+    gateway combines after the last reply, so a timed round runs from its plan to its last
+    combine -- the worker's recorded no-token time holds that combine (it left it out, and
+    chunks, which combine as replies land, were measured against a flattered whole)."""
+    b = _backend(backend)
+    router = Router(D, E, 2, seed=SEED)
+    with WorkerPool(b.urls, router, max_batch_tokens=MAX_BATCH, chunk_rows="auto") as pool:
+        _, stats = pool.forward(tokens(MAX_BATCH, 3))
+        assert stats.messages == stats.workers  # auto's first rounds go whole (and are timed)
+        timed = [w.chunk_costs.idle_s for w in pool.workers if w.chunk_costs.idle_s is not None]
+        assert len(timed) == stats.workers and all(idle >= stats.combine_s > 0 for idle in timed)
+        # a round not combined yet is not timed yet
+        from gateway.rounds import Request
+        before = [w.chunk_costs.idle_s for w in pool.workers]
+        req = Request(tokens(MAX_BATCH, 4))
+        pool.rounds.dispatch([req])
+        deadline = time.monotonic() + 30
+        while not req.finished and time.monotonic() < deadline:
+            pool.loop.run_once(timeout=0.05)
+        assert req.finished and [w.chunk_costs.idle_s for w in pool.workers] == before
+        req.combine(np.empty((MAX_BATCH, D), np.float32))
+        req.release()
+        assert [w.chunk_costs.idle_s for w in pool.workers] != before
+
+
 @pytest.mark.parametrize("chunk_rows", [0, 5], ids=["one-message", "chunks-5"])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
 def test_pool_in_process_equals_reference(backend, split, chunk_rows):
@@ -219,3 +246,6 @@ def test_pool_in_process_equals_reference(backend, split, chunk_rows):
                     assert stats.messages == stats.workers
                 # the workers' own clocks: each message's receive-to-reply time
                 assert 0 < stats.busiest_s <= stats.total_s
+            if chunk_rows:  # and, between chunks already waiting, each one's time from reply to next
+                gaps = [w.chunk_costs.gap_s for w in pool.workers if w.chunk_costs.gap_s is not None]
+                assert gaps and all(0 <= g < 0.5 for g in gaps)
