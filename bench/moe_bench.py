@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-rows", default="auto", type=chunk_rows_flag, metavar="auto|off|ROWS",
                    help="moe-transport+chunks: at most this many rows per message (default auto, as moe-gateway); "
                         "off leaves only the whole-part system")
+    p.add_argument("--warmup", type=int, default=None, metavar="N",
+                   help="untimed forwards per system before the timed rounds (default: as many as auto's "
+                        "chunk choice takes to measure both ways, gateway/chunking.py)")
     p.add_argument("--compute", choices=["numpy", "torch"], default=None,
                    help="torch: the expert-kernel benchmark (bench/moe_kernels.py): ours with this kernel beside "
                         "the kernel called directly, the in-process torch layer, multiprocessing with the same "
@@ -180,6 +183,14 @@ def pipelining_gain(whole: dict, chunked: dict) -> dict:
             "p99_ratio": chunked["p99_ms"] / whole["p99_ms"], "messages": chunked["stage_ms"]["messages"]}
 
 
+def warmup_forwards(args: argparse.Namespace) -> int:
+    """--warmup, else the rounds auto's chunk choice sends before it has measured both ways
+    (WARMUP whole, then PROBES chunked every other round), and one more."""
+    from gateway.chunking import PROBES, WARMUP
+    w = getattr(args, "warmup", None)
+    return WARMUP + 2 * PROBES + 1 if w is None else max(0, int(w))
+
+
 def run(args: argparse.Namespace) -> int:
     if args.compute is not None or args.dtype is not None:
         from bench.moe_kernels import run as run_kernels
@@ -221,6 +232,14 @@ def run(args: argparse.Namespace) -> int:
             err = float(np.max(np.abs(got - expect)))
             if err > 1e-3 * max(1.0, float(np.max(np.abs(expect)))):
                 raise AssertionError(f"{name} disagrees with the reference (max abs err {err})")
+        # untimed: first touches, and auto's choice measuring both ways (a start-up cost,
+        # not the steady state the figures compare)
+        for name, sys_ in systems.items():
+            for i in range(warmup_forwards(args)):
+                with threadpool_limits(1):
+                    sys_.forward(xs[i % len(xs)])
+            if isinstance(sys_, TransportSystem):
+                del sys_.stages[:]
         for r in range(args.rounds):
             for name in list(systems) + list(refs):  # the references last, then a pause:
                 if name in refs:  # OpenBLAS threads spin ~0.1 s after their work and would
@@ -240,10 +259,10 @@ def run(args: argparse.Namespace) -> int:
             if isinstance(s, TransportSystem) and s.stages:
                 keys = ("route_s", "dispatch_s", "gather_s", "compute_s", "wait_s", "combine_s", "total_s",
                         "forward_s")
-                stage_ms[name] = {k[:-2]: float(np.median([st[k] for st in s.stages[1:]])) * 1e3 for k in keys}
+                stage_ms[name] = {k[:-2]: float(np.median([st[k] for st in s.stages])) * 1e3 for k in keys}
                 # the busiest worker's time with no token to compute, per forward
-                stage_ms[name]["no_token"] = float(np.median([no_token_s(st) for st in s.stages[1:]])) * 1e3
-                stage_ms[name]["messages"] = float(np.median([st["messages"] for st in s.stages[1:]]))
+                stage_ms[name]["no_token"] = float(np.median([no_token_s(st) for st in s.stages])) * 1e3
+                stage_ms[name]["messages"] = float(np.median([st["messages"] for st in s.stages]))
     finally:
         for s in list(systems.values()) + list(refs.values()):
             s.close()
