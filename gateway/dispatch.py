@@ -122,7 +122,12 @@ class DispatchPlan:
         if wk.size and (wk.min() < 0 or wk.max() >= n_workers):
             raise ValueError(f"worker index out of range [0, {n_workers}) in worker_of_assignment")
         ex = idx[tok, slot].astype(np.int64)
-        order = np.lexsort((tok, ex, wk))  # by worker, then expert, then token
+        # by worker, then expert, then token: np.nonzero gave the tokens ascending, so a
+        # stable sort on (worker, expert) keeps them so (a radix sort on 16-bit keys)
+        key = wk * n_experts + ex
+        if n_workers * max(n_experts, 1) < np.iinfo(np.int16).max:
+            key = key.astype(np.int16)
+        order = np.argsort(key, kind="stable")
         return cls(num_tokens=T, top_k=k, n_workers=int(n_workers), n_experts=int(n_experts),
                    tokens=tok[order].astype(np.intp), slots=slot[order],
                    experts=ex[order], weights=wts[tok, slot][order].astype(np.float32),
