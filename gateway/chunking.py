@@ -30,6 +30,7 @@ SAMPLES = 8  # the last rounds of each way that the choice looks at
 MODE_MARGIN = 0.05  # chunks are kept only if that much cheaper per row (rounds vary more)
 PROBE_EVERY = 16  # one round in this many goes the other way, so both stay measured
 EDGE = 8  # a part's first and last chunks are at most 1/EDGE of the size (see taper)
+MIN_PIECE = 128  # rows below which cutting a group for an edge chunk costs more than it hides
 
 ChunkSetting = Union[str, int]  # "auto", or a fixed size in rows (0: never chunk)
 
@@ -215,19 +216,29 @@ def taper(bounds: list[int], groups: Sequence[Sequence[int]], edge: int) -> list
     chunk cut to at most ``edge`` rows: the worker starts once the first chunk is gathered and
     sent, and the round ends once the last chunk's reply is summed, so those two are what
     the overlap cannot hide. A cut goes at a group start where one leaves the edge chunk
-    non-empty and within ``edge``, else ``edge`` rows in."""
+    non-empty and within ``edge``; else inside the group, ``edge`` rows from the end, only
+    if both pieces keep MIN_PIECE rows (a product is one read of the expert's weights
+    whatever its rows: a small piece costs more than the rows it stops exposing)."""
     if len(bounds) <= 2 or edge <= 0:
         return bounds
-    starts = [int(g[1]) for g in groups]
+    spans = [(int(g[1]), int(g[1]) + int(g[2])) for g in groups]
     out = list(bounds)
     lo, hi = out[0], out[1]
     if hi - lo > edge:
-        inside = [s for s in starts if lo < s <= lo + edge]
-        out.insert(1, max(inside) if inside else lo + edge)
+        at = [s for s, _ in spans if lo < s <= lo + edge]
+        end = min((e for s, e in spans if s <= lo < e), default=hi)
+        if at:
+            out.insert(1, max(at))
+        elif edge >= MIN_PIECE and min(end, hi) - (lo + edge) >= MIN_PIECE:
+            out.insert(1, lo + edge)
     lo, hi = out[-2], out[-1]
     if hi - lo > edge:
-        inside = [s for s in starts if lo < s and hi - s <= edge]
-        out.insert(len(out) - 1, min(inside) if inside else hi - edge)
+        at = [s for s, _ in spans if lo < s and hi - s <= edge]
+        start = max((s for s, e in spans if s < hi <= e), default=lo)
+        if at:
+            out.insert(len(out) - 1, min(at))
+        elif edge >= MIN_PIECE and (hi - edge) - max(start, lo) >= MIN_PIECE:
+            out.insert(len(out) - 1, hi - edge)
     return out
 
 

@@ -157,6 +157,60 @@ def test_part_bounds_cut_between_groups(counts, size):
             assert z - x > size
 
 
+@settings(max_examples=300, deadline=None)
+@given(counts=st.lists(st.integers(1, 600), min_size=1, max_size=12), size=st.integers(1, 2048))
+def test_taper_cuts_the_edge_chunks(counts, size):
+    """The first and last chunks come down to 1/EDGE of the size: at a group start where
+    there is one, inside a group only where both pieces keep MIN_PIECE rows, else left as
+    they were; nothing else moves."""
+    from gateway.chunking import EDGE, MIN_PIECE, split_part, taper
+    groups = _groups(counts)
+    rows = sum(counts)
+    base = part_bounds(groups, rows, size)
+    b = split_part(groups, rows, size)
+    assert b == taper(base, groups, size // EDGE)
+    assert b[0] == 0 and b[-1] == rows and all(x < y for x, y in zip(b, b[1:]))
+    assert set(base) <= set(b) and len(b) - len(base) <= 2
+    if len(base) <= 2:
+        assert b == base
+        return
+    edge = size // EDGE
+    starts = {g[1] for g in groups}
+    spans = [(g[1], g[1] + g[2]) for g in groups]
+    # the first chunk: as part_bounds made it, or cut at the last group start within the
+    # edge, or (none there) edge rows in, inside a group leaving MIN_PIECE rows on both sides
+    lo, hi = base[0], base[1]
+    at = [x for x in starts if lo < x <= lo + edge]
+    end = min(e for s_, e in spans if s_ <= lo < e)
+    if hi - lo <= edge:
+        assert b[1] == hi
+    elif at:
+        assert b[1] == max(at)
+    elif edge >= MIN_PIECE and min(end, hi) - (lo + edge) >= MIN_PIECE:
+        assert b[1] == lo + edge
+    else:
+        assert b[1] == hi
+    # the last chunk, the same from its end
+    lo, hi = base[-2], base[-1]
+    at = [x for x in starts if lo < x and hi - x <= edge]
+    start = max(s_ for s_, e in spans if s_ < hi <= e)
+    if len(b) - len(base) == 2 or (b[1] == base[1] and len(b) - len(base) == 1):
+        cut = b[-2]
+        assert cut == (min(at) if at else hi - edge)
+        assert at or (edge >= MIN_PIECE and (hi - edge) - max(start, lo) >= MIN_PIECE)
+    else:
+        assert b[-2] == lo and (hi - lo <= edge or not at)
+
+
+def test_taper_examples():
+    from gateway.chunking import split_part
+    # 1024-row groups at 2048 a chunk: edge chunks of 256, cut inside the first and last groups
+    assert split_part(_groups([1024] * 8), 8192, 2048) == [0, 256, 2048, 4096, 6144, 7936, 8192]
+    # small groups: the first chunk ends at a group start; no group is cut for an edge
+    assert split_part(_groups([64, 70, 60, 66]), 260, 128) == [0, 64, 134, 260]
+    assert split_part(_groups([300, 200, 500]), 1000, 512) == [0, 500, 1000]
+
+
 def test_part_bounds_examples():
     # groups 100, 100, 100, 300, 20 rows at most 250 rows a chunk: 200 | 100 | 150 150 (+20)
     assert part_bounds(_groups([100, 100, 100, 300, 20]), 620, 250) == [0, 200, 300, 450, 620]
