@@ -29,6 +29,7 @@ PROBES = 3  # then rounds sent in chunks, to measure them
 SAMPLES = 8  # the last rounds of each way that the choice looks at
 MODE_MARGIN = 0.05  # chunks are kept only if that much cheaper per row (rounds vary more)
 PROBE_EVERY = 16  # one round in this many goes the other way, so both stay measured
+MAX_CHUNKS = 64  # auto's smallest size tried cuts a part in at most this many
 EDGE = 8  # a part's first and last chunks are at most 1/EDGE of the size (see taper)
 MIN_PIECE = 128  # rows below which cutting a group for an edge chunk costs more than it hides
 
@@ -151,7 +152,7 @@ def choose_chunk_rows(rows: int, setting: ChunkSetting, costs: Optional[ChunkCos
     """Rows per chunk for a part of ``rows`` rows; ``rows`` itself means one message.
 
     Fixed: that size (0: one message). Auto: of the powers of two from MIN_CHUNK that leave
-    at least two chunks, the one whose expected saving most exceeds its cost. The saving is
+    at least two chunks and at most MAX_CHUNKS, the one whose expected saving most exceeds its cost. The saving is
     the worker's measured no-token time less what stays exposed: the first chunk's gather
     before the worker starts and the last one's sum after it ends, so the no-token time
     times (first + last) / (2 rows) -- 1/n for n equal chunks. The cost is n messages plus
@@ -171,6 +172,8 @@ def choose_chunk_rows(rows: int, setting: ChunkSetting, costs: Optional[ChunkCos
         return rows
     best, best_net = rows, MARGIN * rows * whole
     c = MIN_CHUNK
+    while c * MAX_CHUNKS < rows:  # more messages than that never pays: not worth the model's time
+        c *= 2
     while 2 * c <= rows:
         if groups is not None:
             b = split_part(groups, rows, c)
