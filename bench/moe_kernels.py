@@ -392,9 +392,18 @@ def _report(results, args, config, compute, wire, cdt, bf16_units, name_np, name
         out["batches"][str(B)] = {"tokens_per_s": tps, "p50_ms": p50, "workers": workers, "stage_ms": med,
                                   "gateway_share": share, "ceiling_tokens_per_s": ceiling}
         if name_ours + "+chunks" in tps:
+            from bench.moe_bench import no_token_s
             g = tps[name_ours + "+chunks"] / ours
-            out["batches"][str(B)]["chunked_vs_whole"] = g
-            print(f"{B}: chunked rounds {g:.2f}x the tokens/s of whole parts (same kernel, same run)")
+            # the bound as moe-bench moe's: the whole parts' forward over it less the busiest
+            # worker's no-token time (routing aside)
+            idle = float(np.median([no_token_s({**s, "forward_s": s["round_s"]}) for s in st])) * 1e3
+            bound = med["round_s"] / max(med["round_s"] - idle, 1e-9)
+            of_bound = (g - 1) / (bound - 1) if bound > 1 else float("nan")
+            out["batches"][str(B)].update(chunked_vs_whole=g, chunks_bound=bound, chunks_of_bound=of_bound,
+                                          no_token_ms=idle)
+            print(f"{B}: chunked rounds {g:.2f}x the tokens/s of whole parts (same kernel, same run); bound "
+                  f"{bound:.2f}x (the busiest worker {idle:.1f} ms of a {med['round_s']:.1f} ms forward with no "
+                  f"token, routing aside): {100 * of_bound:.0f}% of the possible gain")
     print("\ntargets (issue 12):")
     for t in targets:
         v = f"{100 * t['value']:.1f}%" if t["percent"] else f"{t['value']:.2f}x"

@@ -75,6 +75,8 @@ def test_kernel_bench_runs_bf16_chunked_rounds_beside_whole_parts(tmp_path):
     b = json.loads(out.read_text())["batches"]["48"]
     assert {"moe-transport/torch-bfloat16", "moe-transport/torch-bfloat16+chunks"} <= set(b["tokens_per_s"])
     assert b["chunked_vs_whole"] > 0 and "chunked rounds" in p.stdout
+    # and the bound it is set against, from the whole parts' own clocks
+    assert b["chunks_bound"] >= 1 and 0 <= b["no_token_ms"] and "of the possible gain" in p.stdout
 
 
 def test_a_start_that_fails_leaves_no_worker_running(monkeypatch):
