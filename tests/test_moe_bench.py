@@ -39,6 +39,8 @@ def test_moe_bench_sets_chunked_rounds_beside_whole_parts(tmp_path):
     assert g["bound"] == pytest.approx(st["forward"] / (st["forward"] - st["no_token"]))
     assert g["round_ms"] == st["forward"] and g["no_token_ms"] == st["no_token"]
     assert g["bound"] >= 1 and g["gain"] > 0 and g["messages"] == chunked["stage_ms"]["messages"]
+    assert g["p50_gain"] == pytest.approx(whole["p50_ms"] / chunked["p50_ms"])
+    assert g["of_bound"] == pytest.approx((g["p50_gain"] - 1) / (g["bound"] - 1))
     # the cores' bound: the forward over its CPU work spread on the cores, never above the other
     assert 1 <= g["cpu_bound"] <= g["bound"] + 1e-9 and g["cores"] >= 1
     assert st["gateway_cpu"] > 0 and st["compute_total"] > 0
