@@ -400,12 +400,20 @@ def _report(results, args, config, compute, wire, cdt, bf16_units, name_np, name
             bound = med["round_s"] / max(med["round_s"] - idle, 1e-9)
             g50 = p50[name_ours] / p50[name_ours + "+chunks"]  # medians, as the bound's
             of_bound = (g50 - 1) / (bound - 1) if bound > 1 else float("nan")
+            # nor can a forward take less than the gateway's own work, on its one thread
+            gw = float(np.median([s["gateway_cpu_s"] for s in st])) * 1e3
+            cpu_bound = med["round_s"] / max(med["round_s"] - idle, gw, 1e-9)
             out["batches"][str(B)].update(chunked_vs_whole=g, chunked_p50_gain=g50, chunks_bound=bound,
-                                          chunks_of_bound=of_bound, no_token_ms=idle)
+                                          chunks_of_bound=of_bound, no_token_ms=idle, gateway_cpu_ms=gw,
+                                          chunks_cpu_bound=cpu_bound,
+                                          chunks_of_cpu_bound=(g50 - 1) / (cpu_bound - 1) if cpu_bound > 1
+                                          else float("nan"))
             print(f"{B}: chunked rounds {g:.2f}x the tokens/s of whole parts, {g50:.2f}x by the median "
                   f"forwards (same kernel, same run); bound "
                   f"{bound:.2f}x (the busiest worker {idle:.1f} ms of a {med['round_s']:.1f} ms forward with no "
-                  f"token, routing aside): {100 * of_bound:.0f}% of the possible gain")
+                  f"token, routing aside): {100 * of_bound:.0f}% of the possible gain; the gateway's own work "
+                  f"({gw:.1f} ms on its thread) allows {cpu_bound:.2f}x, "
+                  f"{100 * out['batches'][str(B)]['chunks_of_cpu_bound']:.0f}% of that")
     print("\ntargets (issue 12):")
     for t in targets:
         v = f"{100 * t['value']:.1f}%" if t["percent"] else f"{t['value']:.2f}x"

@@ -43,6 +43,7 @@ def test_moe_bench_sets_chunked_rounds_beside_whole_parts(tmp_path):
     assert g["of_bound"] == pytest.approx((g["p50_gain"] - 1) / (g["bound"] - 1))
     # the cores' bound: the forward over its CPU work spread on the cores, never above the other
     assert 1 <= g["cpu_bound"] <= g["bound"] + 1e-9 and g["cores"] >= 1
+    assert g["cpu_bound"] <= st["forward"] / st["gateway_cpu"] + 1e-9  # not above the gateway's own work
     assert st["gateway_cpu"] > 0 and st["compute_total"] > 0
     assert "chunked rounds" in p.stdout and "of the possible gain" in p.stdout
 
@@ -79,6 +80,8 @@ def test_kernel_bench_runs_bf16_chunked_rounds_beside_whole_parts(tmp_path):
     assert b["chunked_vs_whole"] > 0 and "chunked rounds" in p.stdout
     # and the bound it is set against, from the whole parts' own clocks
     assert b["chunks_bound"] >= 1 and 0 <= b["no_token_ms"] and "of the possible gain" in p.stdout
+    # and the gateway's own work, which no chunking takes off its thread
+    assert b["gateway_cpu_ms"] > 0 and 1 <= b["chunks_cpu_bound"] <= b["chunks_bound"] + 1e-9
 
 
 def test_a_start_that_fails_leaves_no_worker_running(monkeypatch):
