@@ -76,10 +76,14 @@ class _Locked:
 class MoeTransport(System):
     name = "moe-transport"
 
-    def __init__(self, url: str, backend: str, proc=None, timeout: float = 30.0):
+    def __init__(self, url: str, backend: str, proc=None, timeout: float = 30.0,
+                 max_peer_slot_size: Optional[int] = None):
+        """``max_peer_slot_size``: what the gateway's slots may be (a gateway this benchmark
+        started: what its settings make them; else the client's default)."""
         from gateway.client import GatewayClient
         self.url, self.backend, self.proc, self.timeout = url, backend, proc, timeout
-        self._admin = GatewayClient(url, timeout=timeout)
+        self.max_peer_slot_size = max_peer_slot_size
+        self._admin = GatewayClient(url, timeout=timeout, max_peer_slot_size=max_peer_slot_size)
         self.pong = self._admin.ping(timeout=timeout)
 
     @classmethod
@@ -102,9 +106,10 @@ class MoeTransport(System):
         if capacity_factor:
             argv += ["--capacity-factor", str(capacity_factor)]
         argv += list(extra)
+        from gateway.client import gateway_slot_size
         proc, url = spawn_service(argv, timeout=timeout, env=blas_env(1))
-        try:
-            return cls(url, backend, proc)
+        try:  # its slots hold a whole round: the clients must accept them
+            return cls(url, backend, proc, max_peer_slot_size=gateway_slot_size(max_batch_tokens, d_model, dtype))
         except BaseException:
             from transport.service.launch import stop_process
             stop_process(proc)
@@ -120,7 +125,7 @@ class MoeTransport(System):
 
     def client(self):
         from gateway.client import GatewayClient
-        return GatewayClient(self.url, timeout=self.timeout)
+        return GatewayClient(self.url, timeout=self.timeout, max_peer_slot_size=self.max_peer_slot_size)
 
     def counters(self) -> dict:
         p = self._admin.ping(timeout=self.timeout)

@@ -37,18 +37,30 @@ from workers import protocol as P
 DEFAULT_SLOT_SIZE = 4 << 20  # the largest reply this client can take: 1M float32 values
 
 
+def gateway_slot_size(max_batch_tokens: int, d_model: int, dtype: Any = "float32") -> int:
+    """The slot size a gateway with these settings announces to its clients (its largest
+    request: a whole round's tokens)."""
+    from gateway.server import MIN_SLOT_SIZE
+    itemsize = P.wire_dtype(dtype if isinstance(dtype, str) else P.dtype_name(dtype)).itemsize
+    return max(MIN_SLOT_SIZE, int(max_batch_tokens) * int(d_model) * itemsize)
+
+
 class GatewayClient:
     def __init__(self, url: str, *, timeout: float = 30.0, slot_size: int = DEFAULT_SLOT_SIZE,
                  nslots: int = 8, connect_timeout: Optional[float] = None, secret: Any = secrets.FIND,
-                 secret_file: Optional[str] = None) -> None:
+                 secret_file: Optional[str] = None, max_peer_slot_size: Optional[int] = None) -> None:
         """``secret`` (or ``secret_file``): the gateway's shared secret; by default (FIND) it
         is found as the services find it ($MOE_SECRET_FILE, else the per-user default
-        file); None: connect without one."""
+        file); None: connect without one. ``max_peer_slot_size``: the largest slot the
+        gateway may announce (it sizes the shared memory this side maps for it; default the
+        transport's, 4 MiB or our own slot size): a gateway with larger batches announces
+        max_batch_tokens x d_model x the dtype's size (:func:`gateway_slot_size`)."""
         self.url = url
         self.timeout = timeout
         secret = secrets.for_client(secret, secret_file)
         self.conn = transport.connect(url, slot_size=slot_size, nslots=nslots,
-                                      timeout=connect_timeout or timeout, secret=secret)
+                                      timeout=connect_timeout or timeout, secret=secret,
+                                      max_peer_slot_size=max_peer_slot_size)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._done: dict[int, Any] = {}  # request id -> (header, array copy or kept Message) or error

@@ -105,3 +105,22 @@ def test_a_run_whose_every_request_fails_is_reported_not_a_crash(tmp_path):
     assert doc["models"]["from_system"] is None and doc["models"]["expert_load"]["dropped"] == 0
     assert f"Failed requests:                         {r['failed']}" in p.stdout
     assert "first failure:" in p.stdout and "requests failed" in p.stderr
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_a_started_gateway_with_slots_over_the_client_default_is_reached(tmp_path, backend):
+    """The gateway a run starts sizes its slots to a whole round (max_batch_tokens x d_model x
+    the dtype's size): past the client's default 4 MiB limit, the run's clients accept what
+    that configuration announces (they were refused at `make bench-load`'s settings)."""
+    from gateway.client import gateway_slot_size
+    assert gateway_slot_size(9000, 64, "float64") > 4 << 20
+    out = tmp_path / "load.json"
+    cmd = [sys.executable, "-m", "bench.cli", "load", "--systems", "moe-transport", "--backend", backend,
+           "--d-model", "64", "--d-ff", "128", "--dtype", "float64", "--max-batch-tokens", "9000",
+           "--rate", "8", "--duration", "1", "--warmup", "0.2", "--prefill", "8", "--decode", "2",
+           "--concurrency", "2", "--progress", "plain", "--json", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert "Traceback" not in p.stderr and "could not run" not in p.stdout + p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = [r for r in json.loads(out.read_text())["results"] if r.get("system", "").startswith("moe-transport")]
+    assert rows and all(r["completed"] == r["requests"] > 0 and r["failed"] == 0 for r in rows)
+    assert not json.loads(out.read_text())["failed_systems"]
