@@ -28,7 +28,8 @@ WARMUP = 4  # rounds sent whole (and measured) before auto first tries chunks
 PROBES = 3  # then rounds sent in chunks, to measure them
 SAMPLES = 8  # the last rounds of each way that the choice looks at
 MODE_MARGIN = 0.05  # chunks are kept only if that much cheaper per row (rounds vary more)
-PROBE_EVERY = 16  # one round in this many goes the other way, so both stay measured
+PROBE_EVERY = 16  # one round in this many goes the other way, so both stay measured...
+MAX_PROBE_EVERY = 256  # ...one in twice as many each time a probe left the choice as it was
 MAX_CHUNKS = 64  # auto's smallest size tried cuts a part in at most this many
 EDGE = 8  # a part's first and last chunks are at most 1/EDGE of the size (see taper)
 MIN_PIECE = 128  # rows below which cutting a group for an edge chunk costs more than it hides
@@ -277,7 +278,9 @@ class ChunkMode:
     other in flight when it goes) goes chunked until PROBES are measured; then the way whose
     median of the last SAMPLES is cheaper by MODE_MARGIN is taken (a median: one slow round
     on a shared machine must not flip it), the other tried again one measurable round in
-    PROBE_EVERY. Until both ways are measured a round that cannot be measured goes whole:
+    PROBE_EVERY, and in twice as many after each probe that left the choice as it was (up
+    to MAX_PROBE_EVERY: a settled choice stops paying for probes; a flip starts over at
+    PROBE_EVERY). Until both ways are measured a round that cannot be measured goes whole:
     under load few rounds are alone, and probing with rounds nobody can time would chunk
     half of them blind."""
 
@@ -286,6 +289,9 @@ class ChunkMode:
         self.rounds = 0  # rounds measured
         self.asked = 0  # rounds asked about
         self._probe_turn = 0  # measurable rounds asked about
+        self.probe_every = PROBE_EVERY  # measurable rounds from one probe to the next
+        self._until_probe = PROBE_EVERY
+        self._kept: Optional[bool] = None  # the way chosen when the last probe went
 
     def record(self, chunked: bool, seconds: float, rows: int) -> None:
         if rows > 0 and seconds >= 0:
@@ -309,7 +315,13 @@ class ChunkMode:
         self._probe_turn += 1
         if probing:
             return self._probe_turn % 2 == 0
-        return better != (self._probe_turn % PROBE_EVERY == 0)
+        self._until_probe -= 1
+        if self._until_probe > 0:
+            return better
+        settled = self._kept == better
+        self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY) if settled else PROBE_EVERY
+        self._kept, self._until_probe = better, self.probe_every
+        return not better
 
     def snapshot(self) -> dict:
         """What the choice stands on: rounds asked about and measured, and the medians per

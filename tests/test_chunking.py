@@ -338,8 +338,9 @@ def test_chunk_mode_measures_both_ways_and_keeps_the_cheaper():
         c = m.want_chunks()
         picks.append(c)
         m.record(c, 0.06 if c else 0.05, 500)
-    # whole nearly always, chunked once in a while to stay measured
-    assert picks.count(True) == 3 and picks.count(False) == 3 * PROBE_EVERY - 3
+    # whole nearly always, chunked once in a while to stay measured: after PROBE_EVERY
+    # rounds, again after as many, then (the choice held) after twice as many
+    assert [i + 1 for i, c in enumerate(picks) if c] == [PROBE_EVERY, 2 * PROBE_EVERY]
     m.record(False, 5.0, 500)  # one round 100x slower (a shared machine) flips nothing
     assert m.per_row(False) == pytest.approx(1e-4) and _asks(m, PROBE_EVERY).count(True) == 1
     m2 = ChunkMode()  # and the other way round: chunks cheaper, chunks kept
@@ -348,9 +349,37 @@ def test_chunk_mode_measures_both_ways_and_keeps_the_cheaper():
     for _ in range(3 * PROBE_EVERY):
         c = m2.want_chunks()
         m2.record(c, 0.04 if c else 0.05, 500)
-    assert _asks(m2, PROBE_EVERY).count(False) == 1 and m2.per_row(True) < m2.per_row(False)
+    assert _asks(m2, 2 * PROBE_EVERY).count(False) == 1 and m2.per_row(True) < m2.per_row(False)
     snap = m2.snapshot()
     assert snap["asked"] == m2.asked and snap["chunked_s_per_row"] < snap["whole_s_per_row"]
+
+
+def test_chunk_mode_probes_less_while_the_choice_holds_and_again_when_it_flips():
+    """A probe costs a round the dearer way: while probes leave the choice as it was the
+    interval doubles (to MAX_PROBE_EVERY); once the measured medians flip it, it starts
+    over at PROBE_EVERY."""
+    from gateway.chunking import MAX_PROBE_EVERY, PROBE_EVERY, PROBES, SAMPLES, WARMUP, ChunkMode
+    m = ChunkMode()
+    for _ in range(WARMUP):
+        m.record(False, 0.05, 500)
+    for _ in range(PROBES):
+        m.record(True, 0.06, 500)  # chunks dearer
+    gaps, last = [], 0
+    for i in range(1, 2000):
+        if m.want_chunks():
+            gaps.append(i - last)
+            last = i
+    assert gaps[:6] == [PROBE_EVERY, PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, MAX_PROBE_EVERY]
+    assert set(gaps[5:]) == {MAX_PROBE_EVERY} and m.probe_every == MAX_PROBE_EVERY
+    for _ in range(SAMPLES):  # chunks are cheaper now (say the load changed)
+        m.record(True, 0.03, 500)
+    picks = _asks(m, MAX_PROBE_EVERY)
+    assert picks[0] and 1 <= picks.count(False) <= 5  # chunked from here on, whole as probes:
+    flip = picks.index(False) + 1  # the first probe after the flip saw it and started over
+    probes = [i + 1 for i, c in enumerate(picks) if not c]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == [PROBE_EVERY * 2 ** i for i in range(len(gaps))]  # from PROBE_EVERY, doubling again
+    assert flip <= MAX_PROBE_EVERY and m.probe_every < MAX_PROBE_EVERY
 
 
 def test_chunk_mode_probes_only_with_rounds_it_can_measure():
@@ -368,7 +397,7 @@ def test_chunk_mode_probes_only_with_rounds_it_can_measure():
             m.record(True, 0.06, 500)  # chunks measured dearer
     assert not any(m.want_chunks(measurable=False) for _ in range(100))
     picks = [m.want_chunks(measurable=True) for _ in range(20 * PROBE_EVERY)]
-    assert picks.count(True) == 20
+    assert [i + 1 for i, c in enumerate(picks) if c] == [16, 32, 64, 128, 256]  # backing off
     m2 = ChunkMode()  # chunks measured cheaper: unmeasurable rounds go chunked too
     for _ in range(WARMUP):
         m2.record(False, 0.05, 500)
