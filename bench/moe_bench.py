@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-rows", default="auto", type=chunk_rows_flag, metavar="auto|off|ROWS",
                    help="moe-transport+chunks: at most this many rows per message (default auto, as moe-gateway); "
                         "off leaves only the whole-part system")
-    p.add_argument("--warmup", type=int, default=None, metavar="N",
+    p.add_argument("--warmup-forwards", type=int, default=None, metavar="N",
                    help="untimed forwards per system before the timed rounds (default: as many as auto's "
                         "chunk choice takes to measure both ways, gateway/chunking.py)")
     p.add_argument("--compute", choices=["numpy", "torch"], default=None,
@@ -202,10 +202,10 @@ def pipelining_gain(whole: dict, chunked: dict) -> dict:
 
 
 def warmup_forwards(args: argparse.Namespace) -> int:
-    """--warmup, else the rounds auto's chunk choice sends before it has measured both ways
+    """--warmup-forwards, else the rounds auto's chunk choice sends before it has measured both ways
     (WARMUP whole, then PROBES chunked every other round), and one more."""
     from gateway.chunking import PROBES, WARMUP
-    w = getattr(args, "warmup", None)
+    w = getattr(args, "warmup_forwards", None)
     return WARMUP + 2 * PROBES + 1 if w is None else max(0, int(w))
 
 
