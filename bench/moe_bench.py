@@ -187,18 +187,25 @@ def pipelining_gain(whole: dict, chunked: dict) -> dict:
     gain the tighter of the two bounds leaves."""
     st = whole["stage_ms"]
     round_ms, idle = st["forward"], st["no_token"]
-    bound = round_ms / max(round_ms - idle, 1e-9)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    work = max((st["gateway_cpu"] + st["compute_total"]) / cores, st["gateway_cpu"])
-    cpu_bound = round_ms / max(round_ms - idle, work, 1e-9)
-    gain = chunked["tokens_per_s"] / whole["tokens_per_s"]
     p50_gain = whole["p50_ms"] / chunked["p50_ms"]
-    return {"gain": gain, "p50_gain": p50_gain, "bound": bound, "cpu_bound": cpu_bound, "cores": cores,
-            "of_bound": (p50_gain - 1) / (bound - 1) if bound > 1 else float("nan"),
-            "of_cpu_bound": (p50_gain - 1) / (cpu_bound - 1) if cpu_bound > 1 else float("nan"),
+    b = gain_bounds(round_ms, idle, st["gateway_cpu"], st["compute_total"], p50_gain)
+    return {"gain": chunked["tokens_per_s"] / whole["tokens_per_s"], "p50_gain": p50_gain, **b,
             "gateway_cpu_ms": st["gateway_cpu"],
             "round_ms": round_ms, "no_token_ms": idle, "chunked_no_token_ms": chunked["stage_ms"]["no_token"],
             "p99_ratio": chunked["p99_ms"] / whole["p99_ms"], "messages": chunked["stage_ms"]["messages"]}
+
+
+def gain_bounds(forward_ms: float, no_token_ms: float, gateway_cpu_ms: float, compute_total_ms: float,
+                gain: float) -> dict:
+    """The two bounds of :func:`pipelining_gain`, from a whole-part forward's medians, and
+    the share of each that ``gain`` realizes."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    bound = forward_ms / max(forward_ms - no_token_ms, 1e-9)
+    work = max((gateway_cpu_ms + compute_total_ms) / cores, gateway_cpu_ms)
+    cpu_bound = forward_ms / max(forward_ms - no_token_ms, work, 1e-9)
+    return {"bound": bound, "cpu_bound": cpu_bound, "cores": cores,
+            "of_bound": (gain - 1) / (bound - 1) if bound > 1 else float("nan"),
+            "of_cpu_bound": (gain - 1) / (cpu_bound - 1) if cpu_bound > 1 else float("nan")}
 
 
 def warmup_forwards(args: argparse.Namespace) -> int:

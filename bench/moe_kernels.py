@@ -392,28 +392,22 @@ def _report(results, args, config, compute, wire, cdt, bf16_units, name_np, name
         out["batches"][str(B)] = {"tokens_per_s": tps, "p50_ms": p50, "workers": workers, "stage_ms": med,
                                   "gateway_share": share, "ceiling_tokens_per_s": ceiling}
         if name_ours + "+chunks" in tps:
-            from bench.moe_bench import no_token_s
+            from bench.moe_bench import gain_bounds, no_token_s
             g = tps[name_ours + "+chunks"] / ours
-            # the bound as moe-bench moe's: the whole parts' forward over it less the busiest
-            # worker's no-token time (routing aside)
-            idle = float(np.median([no_token_s({**s, "forward_s": s["round_s"]}) for s in st])) * 1e3
-            bound = med["round_s"] / max(med["round_s"] - idle, 1e-9)
-            g50 = p50[name_ours] / p50[name_ours + "+chunks"]  # medians, as the bound's
-            of_bound = (g50 - 1) / (bound - 1) if bound > 1 else float("nan")
-            # nor can a forward take less than the gateway's own work, on its one thread
-            gw = float(np.median([s["gateway_cpu_s"] for s in st])) * 1e3
-            cpu_bound = med["round_s"] / max(med["round_s"] - idle, gw, 1e-9)
-            out["batches"][str(B)].update(chunked_vs_whole=g, chunked_p50_gain=g50, chunks_bound=bound,
-                                          chunks_of_bound=of_bound, no_token_ms=idle, gateway_cpu_ms=gw,
-                                          chunks_cpu_bound=cpu_bound,
-                                          chunks_of_cpu_bound=(g50 - 1) / (cpu_bound - 1) if cpu_bound > 1
-                                          else float("nan"))
+            g50 = p50[name_ours] / p50[name_ours + "+chunks"]  # medians, as the bounds'
+            # the bounds as moe-bench moe's, from the whole parts' own clocks
+            idle = float(np.median([no_token_s(s) for s in st])) * 1e3
+            gw, work = (float(np.median([s[k] for s in st])) * 1e3 for k in ("gateway_cpu_s", "compute_total_s"))
+            b = gain_bounds(med["round_s"], idle, gw, work, g50)
+            out["batches"][str(B)].update(chunked_vs_whole=g, chunked_p50_gain=g50, chunks_bound=b["bound"],
+                                          chunks_of_bound=b["of_bound"], no_token_ms=idle, gateway_cpu_ms=gw,
+                                          chunks_cpu_bound=b["cpu_bound"], chunks_of_cpu_bound=b["of_cpu_bound"])
             print(f"{B}: chunked rounds {g:.2f}x the tokens/s of whole parts, {g50:.2f}x by the median "
-                  f"forwards (same kernel, same run); bound "
-                  f"{bound:.2f}x (the busiest worker {idle:.1f} ms of a {med['round_s']:.1f} ms forward with no "
-                  f"token, routing aside): {100 * of_bound:.0f}% of the possible gain; the gateway's own work "
-                  f"({gw:.1f} ms on its thread) allows {cpu_bound:.2f}x, "
-                  f"{100 * out['batches'][str(B)]['chunks_of_cpu_bound']:.0f}% of that")
+                  f"forwards (same kernel, same run); bound {b['bound']:.2f}x (the busiest worker {idle:.1f} ms "
+                  f"of a {med['round_s']:.1f} ms forward with no token, routing aside): "
+                  f"{100 * b['of_bound']:.0f}% of the possible gain; the processors allow {b['cpu_bound']:.2f}x "
+                  f"(the gateway's own work {gw:.1f} ms on its thread, all work over {b['cores']} cores), "
+                  f"{100 * b['of_cpu_bound']:.0f}% of that")
     print("\ntargets (issue 12):")
     for t in targets:
         v = f"{100 * t['value']:.1f}%" if t["percent"] else f"{t['value']:.2f}x"

@@ -40,9 +40,9 @@ DEFAULT_SLOT_SIZE = 4 << 20  # the largest reply this client can take: 1M float3
 def gateway_slot_size(max_batch_tokens: int, d_model: int, dtype: Any = "float32") -> int:
     """The slot size a gateway with these settings announces to its clients (its largest
     request: a whole round's tokens)."""
-    from gateway.server import MIN_SLOT_SIZE
+    from gateway.server import client_slot_size
     itemsize = P.wire_dtype(dtype if isinstance(dtype, str) else P.dtype_name(dtype)).itemsize
-    return max(MIN_SLOT_SIZE, int(max_batch_tokens) * int(d_model) * itemsize)
+    return client_slot_size(max_batch_tokens, int(d_model) * itemsize)
 
 
 class GatewayClient:

@@ -36,6 +36,11 @@ log = logging.getLogger("moe.gateway")
 MIN_SLOT_SIZE = 64 << 10
 
 
+def client_slot_size(max_batch_tokens: int, row_bytes: int) -> int:
+    """The slots a gateway offers its clients: a request may be a whole round's tokens."""
+    return max(MIN_SLOT_SIZE, int(max_batch_tokens) * int(row_bytes))
+
+
 @dataclass
 class _Client:
     """What a queued or in-flight request needs to be answered."""
@@ -113,7 +118,7 @@ class GatewayServer:
                                max_inflight_rounds=max_inflight_rounds, max_batch_requests=max_batch_requests,
                                policy=batching)
         self.io_timeout, self.drain_timeout = io_timeout, drain_timeout
-        slot_size = max(MIN_SLOT_SIZE, self.max_batch_tokens * pool.row_bytes)
+        slot_size = client_slot_size(self.max_batch_tokens, pool.row_bytes)
         self.listener = transport.listen(listen_url, slot_size=slot_size, nslots=nslots, timeout=io_timeout,
                                          secret=secret)
         self.url = self.listener.url
