@@ -29,7 +29,7 @@ class Echo:
     """A serve loop in a thread answering every message with ``reply_bytes`` of payload."""
 
     def __init__(self, backend, *, reply_bytes=1024, nslots=4, **site):
-        self.loop = ServeLoop(**{k: site.pop(k) for k in ("max_outbox", "outbox_timeout") if k in site})
+        self.loop = ServeLoop(**{k: site.pop(k) for k in ("max_outbox", "outbox_timeout", "poll_tick") if k in site})
         self.listener = transport.listen(_url(backend), slot_size=max(reply_bytes, 4096), nslots=nslots,
                                          timeout=5)
         self.url = self.listener.url
@@ -168,6 +168,24 @@ def test_a_client_that_does_not_read_is_dropped_and_nobody_waits(backend):
         bad.close()
         good.close()
     finally:
+        srv.close()
+
+
+def test_a_reply_larger_than_the_socket_buffers_goes_out_as_the_peer_reads(monkeypatch):
+    """A tcp reply the kernel cannot take at once is finished as room appears (the loop
+    wakes for it), not at the pace of its timers: with both timers at a minute, the rest of
+    a 32 MiB reply still arrives."""
+    import transport.service.loop as loop_module
+    monkeypatch.setattr(loop_module, "OUTBOX_RETRY", 60.0)
+    size = 32 << 20
+    srv = Echo("tcp", reply_bytes=size, nslots=2, poll_tick=60.0)
+    try:
+        c = transport.connect(srv.url, slot_size=size, nslots=2, timeout=10)
+        for i in range(2):
+            assert _ask(c, i, timeout=10.0) == size
+        c.close()
+    finally:
+        srv.loop.wake()
         srv.close()
 
 

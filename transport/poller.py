@@ -38,9 +38,12 @@ class Poller:
         if fd is not None and fd not in self._eager and hasattr(obj, "pending"):
             self._hot[fd] = self._objs[fd]
 
-    def modify(self, obj: Any, *, write: bool) -> None:
+    def modify(self, obj: Any, *, write: bool, read: bool = False) -> None:
+        """Watch for writing (with ``read``: for reading too) or, without ``write``, for
+        reading only."""
         fd = obj.fileno()
-        self._sel.modify(fd, selectors.EVENT_WRITE if write else selectors.EVENT_READ, self._objs[fd][1])
+        events = (selectors.EVENT_WRITE | (selectors.EVENT_READ if read else 0)) if write else selectors.EVENT_READ
+        self._sel.modify(fd, events, self._objs[fd][1])
 
     def unregister(self, obj: Any) -> None:
         fd = self._fds.pop(id(obj), None)

@@ -119,6 +119,7 @@ class ServeLoop:
         self._ticks: list[Callable[[float], Optional[float]]] = []
         self._soon: collections.deque = collections.deque()
         self._held: set = set()  # served connections with a non-empty outbox
+        self._writing: set = set()  # served connections watched for room to write (wants_write)
         self._stop = False
         self._closed = False
         self._next_sweep = 0.0
@@ -169,6 +170,7 @@ class ServeLoop:
         if why:
             log.info("%s %s: %s", served.site.name, conn.url, why)
         self._held.discard(conn)
+        self._writing.discard(conn)
         for _, bufs, _ in served.outbox:
             _release(bufs)
         served.outbox.clear()
@@ -198,6 +200,7 @@ class ServeLoop:
                 conn.send(header, buffers, timeout=0)
                 if conn.wants_write():
                     self._held.add(conn)
+                    self._watch_write(conn, True)
                 return True
             except (ConnectionClosed, ProtocolError) as e:
                 self.close_connection(conn, f"send failed: {e}")
@@ -214,11 +217,24 @@ class ServeLoop:
         ``conn`` (zero copy) when one is free, else into a private buffer (the slow path of
         a peer that holds every slot: one copy, bounded by the outbox). If ``fill`` raises,
         nothing is sent and the exception propagates."""
+        buf = self.reply_buffer(conn, nbytes)
+        if buf is None:
+            return False
+        try:
+            header = fill(buffer_view(buf))
+        except BaseException:
+            _release([buf])
+            raise
+        return self.send(conn, header, [buf])
+
+    def reply_buffer(self, conn, nbytes: int) -> Any:
+        """Where a ``nbytes`` reply to ``conn`` is written (``buffer_view`` of it), to be
+        given to :meth:`send` or :meth:`discard`: a send slot of ``conn`` when one is free,
+        else a private buffer (see :meth:`reply`). None if the connection is gone."""
         served = self._served.get(conn)
         if served is None:
-            return False
+            return None
         self._poller.mark(conn)
-        slot = None
         if not served.outbox:
             try:
                 slot = conn.alloc(nbytes, timeout=0)
@@ -226,17 +242,30 @@ class ServeLoop:
                 slot = None
             except ConnectionClosed as e:
                 self.close_connection(conn, f"alloc failed: {e}")
-                return False
-        if slot is not None:
-            try:
-                header = fill(slot.buf)
-            except BaseException:
-                slot.release()
-                raise
-            return self.send(conn, header, [slot])
-        scratch = bytearray(nbytes)
-        header = fill(memoryview(scratch))
-        return self.send(conn, header, [scratch])
+                return None
+            if slot is not None:
+                return slot
+        return bytearray(nbytes)
+
+    @staticmethod
+    def discard(buffers: Sequence) -> None:
+        """Give back buffers from :meth:`reply_buffer` that will not be sent."""
+        _release(buffers)
+
+    def _watch_write(self, conn, on: bool) -> None:
+        """Wake for room in the kernel while ``conn`` has bytes of a reply left to write
+        (a large tcp reply is written as the peer reads it, not at the outbox's retry
+        pace); read only otherwise."""
+        if on == (conn in self._writing):
+            return
+        try:
+            self._poller.modify(conn, write=on, read=True)
+        except (KeyError, ValueError, OSError):
+            return  # not registered (closing): nothing to watch
+        if on:
+            self._writing.add(conn)
+        else:
+            self._writing.discard(conn)
 
     def _hold(self, served: _Served, header: Any, buffers: list) -> None:
         served.outbox.append((header, buffers, time.monotonic()))
@@ -273,6 +302,7 @@ class ServeLoop:
                     break
             if conn not in self._served:
                 continue
+            self._watch_write(conn, conn.wants_write())
             if not box and not conn.wants_write():
                 self._held.discard(conn)
             elif box and now - box[0][2] > self.outbox_timeout:
@@ -490,6 +520,11 @@ class ServeLoop:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def buffer_view(buf) -> memoryview:
+    """The writable bytes of a buffer from :meth:`ServeLoop.reply_buffer`."""
+    return buf.buf if hasattr(buf, "pool") else memoryview(buf)
 
 
 def _release(buffers) -> None:
