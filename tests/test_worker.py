@@ -21,9 +21,14 @@ EXPERTS = (0, 1, 5)
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+# each backend as it runs by default (tcp computes on a thread of its own, shm on the loop's),
+# and the other way round
+MODES = [(b, "auto") for b in BACKENDS] + [("tcp", "off"), ("shm", "on")]
+
+
+@pytest.fixture(scope="module", params=MODES, ids=[f"{b}-compute-thread-{m}" for b, m in MODES])
 def worker(request, tmp_path_factory):
-    backend = request.param
+    backend, compute_thread = request.param
     problem = backend_problem(backend)
     if problem:
         yield backend, problem
@@ -31,7 +36,7 @@ def worker(request, tmp_path_factory):
     updates = tmp_path_factory.mktemp("updates")
     with Services() as services:
         w = services.worker(backend, EXPERTS, d_model=D, d_ff=F, seed=SEED, max_tokens=MAX_TOKENS,
-                            extra=["--update-dir", str(updates)])
+                            extra=["--update-dir", str(updates), "--compute-thread", compute_thread])
         w.update_dir = updates
         yield backend, w
 
@@ -266,15 +271,17 @@ def test_many_connections_are_served_by_one_worker(worker):
             c.close()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_sigterm_drains_in_flight_batches_then_exits_0(backend):
+@pytest.mark.parametrize("backend,compute_thread", MODES, ids=[f"{b}-compute-thread-{m}" for b, m in MODES])
+def test_sigterm_drains_in_flight_batches_then_exits_0(backend, compute_thread):
     problem = backend_problem(backend)
     if problem:
         pytest.fail(problem)
     shm_before = shm_entries()
     with Services() as services:
-        # big enough that the batches are still being computed when SIGTERM lands
-        w = services.worker(backend, [0, 1], d_model=128, d_ff=512, max_tokens=512)
+        # big enough that the batches are still being computed (or queued behind one) when
+        # SIGTERM lands
+        w = services.worker(backend, [0, 1], d_model=128, d_ff=512, max_tokens=512,
+                            extra=["--compute-thread", compute_thread])
         c = transport.connect(w.url, slot_size=1 << 20, nslots=8, timeout=10.0, secret=secret())
         try:
             xs = [_tokens(512, seed=i, d=128) for i in range(4)]
@@ -311,6 +318,29 @@ def test_sigterm_drains_in_flight_batches_then_exits_0(backend):
     assert shm_entries() - shm_before == set()
 
 
+def test_more_batches_than_reply_slots_are_all_answered_in_order(connect):
+    """Forwards sent back to back, more than the client's receive slots (the worker's reply
+    slots): with a compute thread, batches queued behind the one computing must not hold
+    every reply slot (nothing could be sent to free one: shm deadlocked that way)."""
+    c = connect()  # nslots=4: the worker has 4 reply slots; we may send 8 (its slots)
+    xs = [_tokens(MAX_TOKENS, seed=10 + i) for i in range(8)]
+    groups = [(0, 0, 10), (1, 10, 12), (5, 22, MAX_TOKENS - 22)]
+    for i, x in enumerate(xs):
+        slot = c.alloc(x.nbytes)
+        np.copyto(slot.array(x.dtype, x.shape), x)
+        c.send(P.forward_request(100 + i, x.shape, x.dtype, groups), [slot], timeout=10.0)
+    spans = []
+    for i, x in enumerate(xs):
+        with c.recv(timeout=10.0) as msg:
+            P.raise_if_error(msg.header)
+            assert msg.header["id"] == 100 + i  # computed one at a time, in the order sent
+            np.testing.assert_allclose(msg.array(0, np.float32, x.shape), _expected(x, groups), rtol=1e-5, atol=1e-6)
+            spans.append((msg.header["t_in"], msg.header["t_out"]))
+    # t_in is when the batch was taken up, not when it arrived: the busy spans never overlap
+    for (a0, b0), (a1, b1) in zip(spans, spans[1:]):
+        assert a0 <= b0 <= a1 <= b1
+
+
 def test_weights_file_and_cli_errors(tmp_path):
     path = tmp_path / "experts.npz"
     experts = [SwiGLUExpert.from_seed(e, D, F, seed=11) for e in (2, 3)]
@@ -335,3 +365,50 @@ def test_weights_file_and_cli_errors(tmp_path):
             services.start([sys.executable, "-m", "workers.cli", "--listen", listen_url("tcp"),
                             "--weights", str(path), "--experts", "7"])
     assert os.path.exists(path)
+
+
+@pytest.mark.parametrize("compute_thread", [True, False], ids=["compute-thread", "loop-thread"])
+def test_a_failing_expert_costs_its_request_only(compute_thread):
+    """An expert that raises while computing: that batch gets an INTERNAL error reply, the
+    batches around it are answered, the worker keeps serving (on either thread)."""
+    import threading
+
+    from workers.daemon import WorkerDaemon
+
+    class Flaky(SwiGLUExpert):
+        def forward(self, x, out):
+            if x.size and x[0, 0] == 1234.0:
+                raise FloatingPointError("poisoned input")
+            return super().forward(x, out)
+
+    experts = {e: Flaky.from_seed(e, D, F, seed=SEED, max_tokens=MAX_TOKENS) for e in (0, 1)}
+    daemon = WorkerDaemon(experts, "tcp://127.0.0.1:0", max_tokens=MAX_TOKENS, secret=secret(),
+                          compute_thread=compute_thread, drain_idle=0.05)
+    runner = threading.Thread(target=daemon.serve, daemon=True)
+    runner.start()
+    c = transport.connect(daemon.url, slot_size=1 << 16, nslots=4, timeout=10.0, secret=secret())
+    try:
+        groups = [(0, 0, 8), (1, 8, 8)]
+        xs = [_tokens(16, seed=i) for i in range(3)]
+        xs[1][8, 0] = 1234.0  # expert 1's first row
+        for i, x in enumerate(xs):
+            slot = c.alloc(x.nbytes)
+            np.copyto(slot.array(x.dtype, x.shape), x)
+            c.send(P.forward_request(i, x.shape, x.dtype, groups), [slot], timeout=10.0)
+        replies = {}
+        for _ in xs:
+            with c.recv(timeout=10.0) as msg:
+                replies[msg.header["id"]] = (msg.header, msg.array(0, np.float32, (16, D)).copy()
+                                             if msg.header["op"] == P.RESULT else None)
+        assert replies[1][0]["op"] == P.ERROR and replies[1][0]["code"] == P.INTERNAL
+        assert "expert 1 failed" in replies[1][0]["message"] and "poisoned" in replies[1][0]["message"]
+        for i in (0, 2):
+            assert replies[i][0]["op"] == P.RESULT
+            np.testing.assert_allclose(replies[i][1], _expected(xs[i], groups), rtol=1e-5, atol=1e-6)
+        assert daemon.stats.errors == {P.INTERNAL: 1}
+        assert daemon.stats.experts[(0, 1)].errors == 1 and daemon.in_flight == 0
+    finally:
+        c.close()
+        daemon.request_stop()
+        runner.join(15)
+    assert not runner.is_alive()

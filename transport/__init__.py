@@ -9,10 +9,10 @@ from .base import Connection, ConnectionStats, Deadline, Listener, Message
 from .errors import (AcceptFailed, AuthenticationError, ConnectionClosed, PoolExhausted, ProtocolError, Refused, Timeout,
                      TransportError)
 from .pool import BufferPool, Slot
-from .registry import available_backends, connect, listen, register_backend
+from .registry import available_backends, caller_moves_bytes, connect, listen, register_backend
 
 __all__ = [
     "AcceptFailed", "AuthenticationError", "Refused", "BufferPool", "Connection", "ConnectionClosed", "ConnectionStats", "Deadline", "Listener",
     "Message", "PoolExhausted", "ProtocolError", "Slot", "Timeout", "TransportError",
-    "available_backends", "connect", "listen", "register_backend",
+    "available_backends", "caller_moves_bytes", "connect", "listen", "register_backend",
 ]

@@ -40,6 +40,13 @@ def backend(scheme: str):
     return mod
 
 
+def caller_moves_bytes(url: str) -> bool:
+    """Whether this URL's backend moves a message's bytes on the thread that sends or
+    receives it (a socket copy), rather than leaving them where they landed (shm, RDMA):
+    a service computing on its I/O thread then stops its transport while it computes."""
+    return bool(getattr(backend(split_url(url)[0]), "CALLER_MOVES_BYTES", False))
+
+
 def split_url(url: str) -> tuple[str, str]:
     parts = urlsplit(url)
     if not parts.scheme or not parts.netloc:

@@ -18,6 +18,8 @@ from .errors import ConnectionClosed, Timeout
 from .pool import BufferPool
 from .stream import StreamConnection
 
+CALLER_MOVES_BYTES = True  # the kernel's socket copies run on the caller's thread (registry.caller_moves_bytes)
+
 
 def _parse(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")

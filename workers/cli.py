@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("process")
     r.add_argument("--threads", type=int, default=1, help="BLAS threads (1: the stable choice on few cores)")
     r.add_argument("--cpu", default=None, type=options.int_list, help="pin to these CPUs, e.g. 0 or 0,1")
+    r.add_argument("--compute-thread", default="auto", choices=["auto", "on", "off"],
+                   help="compute on a thread of its own, so the transport keeps receiving and replying "
+                        "meanwhile (auto: on where the transport copies on the caller's thread: tcp)")
     r.add_argument("--drain-timeout", type=float, default=10.0, help="longest SIGTERM drain, seconds")
     r.add_argument("--drain-idle", type=float, default=0.2,
                    help="while draining, exit once connections were quiet this long, seconds")
@@ -126,7 +129,8 @@ def build_daemon(args: argparse.Namespace, listen: str, secret: Optional[bytes],
                         max_tokens=args.max_tokens, slot_size=args.slot_size, nslots=args.nslots,
                         io_timeout=args.io_timeout, drain_timeout=args.drain_timeout, drain_idle=args.drain_idle,
                         watch_parent=watch_parent, secret=secret, update_dir=args.update_dir,
-                        max_connections=args.max_connections, idle_timeout=args.idle_timeout or None)
+                        max_connections=args.max_connections, idle_timeout=args.idle_timeout or None,
+                        compute_thread={"auto": None, "on": True, "off": False}[args.compute_thread])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

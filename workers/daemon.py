@@ -13,6 +13,12 @@ the connections have been quiet for ``drain_idle`` seconds (at most ``drain_time
 Control operations (load, retire: workers/versions.py) are accepted only on a connection
 that proved the shared secret (its gateway), and new weights only from ``update_dir``.
 
+Where the transport moves bytes on the caller's thread (tcp: the socket copies), the
+experts compute on a thread of their own (workers/compute.py), so the loop keeps reading the
+next batch into its slots and writing replies while one computes; batches are still computed
+one at a time, in the order they came. Elsewhere (shm, rdma: the bytes are already where
+they land) the loop computes itself, without a hand-off per batch.
+
 Experts are keyed by (layer, id) (workers/loading.py builds them from a checkpoint or demo
 weights); a forward names its layer (absent: layer 0). ``info`` tells the gateway what this
 worker serves: the layers with their ids and fingerprints, the wire dtype, the kernel.
@@ -20,6 +26,7 @@ worker serves: the layers with their ids and fingerprints, the wire dtype, the k
 from __future__ import annotations
 
 import bisect
+from collections import deque
 import logging
 import os
 import time
@@ -30,7 +37,8 @@ import numpy as np
 
 import transport
 from transport.service.connbook import ConnectionBook
-from transport.service.loop import ServeLoop
+from transport.service.loop import ServeLoop, buffer_view
+from workers.compute import ComputeThread
 from workers import protocol as P
 from workers.loading import describe_expert, layer_table
 from workers.versions import MAX_VERSIONS, Versions
@@ -39,6 +47,7 @@ log = logging.getLogger("moe.worker")
 
 MIN_SLOT_SIZE = 64 << 10
 PEER_NSLOTS = 64  # the most slots (credits) a gateway may make us keep for it
+PREPARED = 2  # forwards at the compute thread at once: one computing, the next one ready
 __all__ = ["WorkerDaemon", "WorkerStats", "ExpertCounters", "slot_size_for", "MAX_VERSIONS"]
 
 
@@ -114,7 +123,7 @@ class WorkerDaemon:
                  watch_parent: Optional[int] = None, secret: Optional[bytes] = None,
                  update_dir: Optional[str] = None, max_connections: int = 64,
                  idle_timeout: Optional[float] = None, fingerprints: Optional[Mapping[int, Optional[str]]] = None,
-                 checkpoint: Optional[str] = None) -> None:
+                 checkpoint: Optional[str] = None, compute_thread: Optional[bool] = None) -> None:
         if not experts:
             raise ValueError("a worker needs at least one expert")
         experts = {_key(k): ex for k, ex in experts.items()}
@@ -149,6 +158,10 @@ class WorkerDaemon:
         self._draining = False
         self.in_flight = 0  # batches received and not yet answered
         self.conn_book = ConnectionBook("gateway")  # stable connection names for the metrics
+        if compute_thread is None:  # see workers/compute.py: it pays where the transport copies
+            compute_thread = transport.caller_moves_bytes(self.url)
+        self._compute = ComputeThread(self.loop.call_soon_threadsafe) if compute_thread else None
+        self._queued: deque = deque()  # forwards taken, not yet handed to the compute thread
 
     # -- what others read ------------------------------------------------------
     @property
@@ -164,6 +177,12 @@ class WorkerDaemon:
     def expert_ids(self) -> list:
         """Every hosted id, over all layers."""
         return sorted({e for ids in self.layers.values() for e in ids})
+
+    @property
+    def queue_depth(self) -> int:
+        """Batches received whose compute has not started (with the compute thread: those
+        queued behind the one it computes)."""
+        return max(0, self.in_flight - 1)
 
     @property
     def draining(self) -> bool:
@@ -184,6 +203,8 @@ class WorkerDaemon:
         try:
             self.loop.run(until=self._drained)
         finally:
+            if self._compute is not None:
+                self._compute.stop(self.io_timeout)
             self.loop.close()
         return 0
 
@@ -209,8 +230,11 @@ class WorkerDaemon:
         if not self._draining:
             return False
         now = time.monotonic()
-        return (not self.loop.connections() or now - self._last_activity >= self.drain_idle
-                or now >= self._drain_deadline)
+        if now >= self._drain_deadline:
+            return True
+        if self.in_flight:
+            return False  # batches already taken are answered
+        return not self.loop.connections() or now - self._last_activity >= self.drain_idle
 
     def _opened(self, conn) -> None:
         self.stats.connections_accepted += 1
@@ -280,7 +304,7 @@ class WorkerDaemon:
             layer = batch.layer
             kernels = self.versions.pick(layer, batch.groups)  # RequestError for a version not held
 
-            def compute(view: memoryview) -> dict:
+            def compute(view: memoryview, took: float) -> dict:
                 y = np.frombuffer(view, dtype=self.dtype, count=batch.rows * self.d_model).reshape(shape)
                 t0 = time.perf_counter()
                 per_expert = []
@@ -300,21 +324,77 @@ class WorkerDaemon:
                     c.observe(dt)
                     per_expert.append([e, count, dt])
                 compute_s = time.perf_counter() - t0
-                msg.release()  # inputs consumed: give the sender its slot back before we reply
                 reply = P.result_reply(batch.request_id, shape, self.dtype, compute_s=compute_s,
                                        experts=per_expert, cpu_s=time.process_time(),
-                                       t_in=t_in, t_out=time.perf_counter())
+                                       t_in=took, t_out=time.perf_counter())
                 pinned = sorted({(e, v) for e, _, n, v in batch.groups if v is not None and n})
                 if pinned:
                     reply["versions"] = [[e, v] for e, v in pinned]
                 return reply
 
-            self.loop.reply(conn, batch.nbytes, compute)
-            self.stats.batches += 1
-            self.stats.serve_seconds += time.perf_counter() - t_in
-        finally:
+            if self._compute is not None:
+                self._queued.append((conn, msg, batch.nbytes, compute, t_in))
+                self._start_queued()
+                return  # answered, released and counted out when computed (_submit)
+
+            def fill(view: memoryview) -> dict:
+                reply = compute(view, t_in)
+                msg.release()  # inputs consumed: give the sender its slot back before we reply
+                return reply
+
+            self.loop.reply(conn, batch.nbytes, fill)
+            self._served_batch(t_in)
+        except BaseException:
             msg.release()
             self.in_flight -= 1
+            raise
+        msg.release()
+        self.in_flight -= 1
+
+    def _served_batch(self, t_in: float) -> None:
+        self.stats.batches += 1
+        self.stats.serve_seconds += time.perf_counter() - t_in
+
+    def _start_queued(self) -> None:
+        """Hand queued forwards to the compute thread, keeping at most PREPARED there: each
+        holds a send slot for its reply from the moment it is handed over, and a connection
+        whose send slots are all held that way could not send the replies that free them.
+        The rest wait here, in their receive slots (the peer's credits bound them)."""
+        while self._queued and self._compute.queued < PREPARED:
+            self._submit(*self._queued.popleft())
+
+    def _submit(self, conn, msg, nbytes: int, compute, t_in: float) -> None:
+        """Hand one parsed forward to the compute thread, with its reply's buffer (taken
+        here: the connection is the loop thread's)."""
+        buf = self.loop.reply_buffer(conn, nbytes)
+        if buf is None:  # the connection is gone: nobody to answer
+            msg.release()
+            self.in_flight -= 1
+            return
+        view = buffer_view(buf)
+
+        def run() -> dict:
+            # t_in is when the compute thread took it: the gateway reads t_out - t_in as the
+            # worker's busy time, and time spent queued behind another batch is not that
+            return compute(view, time.perf_counter())
+
+        def done(reply, err) -> None:
+            msg.release()  # inputs consumed: give the sender its slot back before we reply
+            self.in_flight -= 1
+            if err is None:
+                self.loop.send(conn, reply, [buf])
+                self._served_batch(t_in)
+            else:
+                self.loop.discard([buf])
+                rid = P.request_id_of(msg.header)
+                if isinstance(err, P.RequestError):
+                    self._reply_error(conn, msg, rid, err.code, err.message)
+                else:  # a bug must cost one request, never the worker
+                    log.error("request %r failed", rid, exc_info=err)
+                    self._reply_error(conn, msg, rid, P.INTERNAL, f"{type(err).__name__}: {err}")
+            self._start_queued()
+
+        self._compute.submit(run, done)
 
     def info(self, rid: Optional[int]) -> dict:
         h = {"op": P.INFO, "id": rid, "experts": self.expert_ids(), "versions": self.versions.table(),

@@ -55,7 +55,7 @@ def worker_families(daemon) -> list:
     fams.append(GaugeMetricFamily("moe_worker_in_flight", "Batches received and not yet answered",
                                   value=daemon.in_flight))
     fams.append(GaugeMetricFamily("moe_worker_queue_depth", "Batches waiting in this worker (received, "
-                                  "not yet answered; the loop is single-threaded)", value=daemon.in_flight))
+                                  "their compute not started)", value=daemon.queue_depth))
     fams.append(CounterMetricFamily("moe_worker_requests", "Requests handled", value=st.requests))
     fams.append(CounterMetricFamily("moe_worker_batches", "Forward batches answered", value=st.batches))
     ec = CounterMetricFamily("moe_worker_errors", "Error replies by code", labels=["code"])

@@ -31,9 +31,10 @@ drops a version, and retiring the active one makes the other the active one. ``v
 in a result ([[expert, version], ...]) says which version served a pinned expert. A worker
 that starts draining (SIGTERM) sends an unsolicited ``{op: "draining"}`` on every
 connection. ``versions`` in info and pong is [[expert, active, [held, ...]], ...].
-``t_in``/``t_out`` in a result are the worker's clock (seconds) when it took the request and
-when its output was ready: the gateway reads their difference, the worker's busy time per
-message, never compares them with its own clock.
+``t_in``/``t_out`` in a result are the worker's clock (seconds) when it took the request up
+(its compute thread, if it has one: not while it queued behind another) and when its output
+was ready: the gateway reads their difference, the worker's busy time per message, never
+compares them with its own clock.
 Header values are plain ints, floats, strings and lists (no int-keyed maps), so any
 msgpack implementation on any backend decodes them alike.
 
