@@ -14,12 +14,9 @@ loop's thread.
 """
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from typing import Any, Callable, Optional
-
-log = logging.getLogger("moe.worker")
 
 _STOP = object()
 
@@ -58,7 +55,9 @@ class ComputeThread:
 
     def stop(self, timeout: float) -> bool:
         """Finish what was submitted (bounded by ``timeout``) and end the thread; whether it
-        ended. The loop must still run the posted results for their replies to go."""
+        ended. Results it posts after the loop stopped are not run (their replies would have
+        nowhere to go): the worker stops it only once nothing is in flight, or at its
+        drain deadline."""
         self._jobs.put(_STOP)
         self._thread.join(timeout)
         return not self._thread.is_alive()

@@ -292,6 +292,7 @@ class WorkerDaemon:
     def _forward(self, conn, msg) -> None:
         t_in = time.perf_counter()
         self.in_flight += 1
+        handed = False  # to the compute thread, which then releases msg and counts it out
         try:
             batch = P.parse_forward(msg.header, [b.nbytes for b in msg.buffers], dtype=self.dtype,
                                     d_model=self.d_model, max_rows=self.max_tokens,
@@ -334,8 +335,9 @@ class WorkerDaemon:
 
             if self._compute is not None:
                 self._queued.append((conn, msg, batch.nbytes, compute, t_in))
+                handed = True
                 self._start_queued()
-                return  # answered, released and counted out when computed (_submit)
+                return
 
             def fill(view: memoryview) -> dict:
                 reply = compute(view, t_in)
@@ -344,12 +346,10 @@ class WorkerDaemon:
 
             self.loop.reply(conn, batch.nbytes, fill)
             self._served_batch(t_in)
-        except BaseException:
-            msg.release()
-            self.in_flight -= 1
-            raise
-        msg.release()
-        self.in_flight -= 1
+        finally:
+            if not handed:
+                msg.release()
+                self.in_flight -= 1
 
     def _served_batch(self, t_in: float) -> None:
         self.stats.batches += 1
