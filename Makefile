@@ -34,8 +34,8 @@ deps: $(STAMP) native
 # the compiled fast paths: `pip install -e` builds them in place; this rebuilds them when
 # the C sources change (shm:// and rdma:// run their Python paths where they are not built)
 EXT := $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-NATIVE := transport/_shmfast$(EXT) transport/_rdmafast$(EXT)
-$(NATIVE) &: transport/_shmfast.c transport/_rdmafast.c transport/_fastpath.h setup.py | $(STAMP)
+NATIVE := transport/_shmfast$(EXT) transport/_rdmafast$(EXT) gateway/_combine$(EXT)
+$(NATIVE) &: transport/_shmfast.c transport/_rdmafast.c transport/_fastpath.h gateway/_combine.c setup.py | $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 native: $(NATIVE)
 

@@ -1,5 +1,5 @@
 """Only the compiled fast paths live here (metadata is in setup.cfg): shm://'s one-slot
-messages and rdma://'s small SENDs in C. ``optional``: a machine without a C compiler,
+messages, rdma://'s small SENDs and the gateway's combine in C. ``optional``: a machine without a C compiler,
 Python headers or verbs.h still installs, and each backend runs its Python path (``make
 deps`` installs all three, and CI requires both modules)."""
 from setuptools import Extension, setup
@@ -11,4 +11,8 @@ setup(ext_modules=[
     # only verbs.h's inline calls: it needs the header (libibverbs-dev), not the library
     Extension("transport._rdmafast", ["transport/_rdmafast.c"], depends=["transport/_fastpath.h"], optional=True,
               extra_compile_args=FLAGS),
+    # the gateway's combine: -O3 vectorizes its row loops; no fused multiply-add, so it
+    # rounds as numpy's multiply-then-add does and gives the same bits
+    Extension("gateway._combine", ["gateway/_combine.c"], optional=True,
+              extra_compile_args=FLAGS + ["-O3", "-ffp-contract=off"]),
 ])

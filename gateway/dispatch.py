@@ -15,7 +15,20 @@ import numpy as np
 
 from workers import bf16
 
-__all__ = ["DispatchPlan", "split_over_replicas"]
+try:  # gateway/_combine.c, built by `make` (setup.py): the float32 combine in one pass
+    from gateway import _combine as _native
+except ImportError:  # not built here: numpy does the same, in three passes, to the same bits
+    _native = None
+
+__all__ = ["ChunkSum", "DispatchPlan", "split_over_replicas", "NATIVE_COMBINE"]
+
+#: whether the compiled combine is built here (float32 outputs use it; others use numpy)
+NATIVE_COMBINE = _native is not None
+
+
+def _native_ok(y: np.ndarray, out: np.ndarray) -> bool:
+    return (_native is not None and y.dtype == np.float32 and out.dtype == np.float32
+            and y.flags.c_contiguous and out.flags.c_contiguous)
 
 ExpertToWorker = Union[Mapping[int, int], Sequence[int], np.ndarray]
 
@@ -66,6 +79,7 @@ class DispatchPlan:
                 rows = np.flatnonzero(slots[lo:hi] == j)
                 if rows.size:
                     self._segments.append((w, rows, tokens[lo:hi][rows], weights[lo:hi][rows, None], j == 0))
+        self._untouched: Optional[np.ndarray] = None  # tokens no worker computes (accumulator)
         has_first = np.zeros(num_tokens, dtype=bool)
         has_first[tokens[slots == 0]] = True
         self._unset = np.flatnonzero(~has_first)
@@ -216,6 +230,9 @@ class DispatchPlan:
         elif self._unset.size:
             out[self._unset] = 0
         for w, rows, toks, wts, first in self._segments:
+            if not widen and _native_ok(outputs[w], out):
+                _native.scatter(out, outputs[w], rows, toks, wts, 0, first)
+                continue
             contrib = np.take(outputs[w], rows, axis=0)
             if widen:
                 contrib = bf16.to_float32(contrib) if bf16.is_bf16(contrib.dtype) else contrib.astype(np.float32)
@@ -228,43 +245,77 @@ class DispatchPlan:
 
     # -- combine as chunks land --------------------------------------------
 
-    def accumulator(self, d: int, into: Optional[np.ndarray] = None) -> np.ndarray:
-        """A zeroed float32 (T, d) sum for :meth:`accumulate` (tokens whose every slot was
-        dropped stay 0, as :meth:`combine` makes them): ``into`` itself when it is a float32
-        (T, d) array (the output, summed in place), else a new one."""
+    def accumulator(self, d: int, into: Optional[np.ndarray] = None) -> "ChunkSum":
+        """A float32 (T, d) sum for :meth:`accumulate`: ``into`` itself when it is a float32
+        (T, d) array (the output, summed in place), else a new one. Nothing is zeroed but
+        the tokens whose every slot was dropped (0, as :meth:`combine` makes them): each
+        other token's row is written by its first contribution (see :class:`ChunkSum`)."""
         if into is not None and into.dtype == np.float32 and into.shape == (self.num_tokens, d):
-            into[...] = 0
-            return into
-        return np.zeros((self.num_tokens, d), np.float32)
+            array = into
+        else:
+            array = np.empty((self.num_tokens, d), np.float32)
+        if self._untouched is None:
+            touched = np.zeros(self.num_tokens, dtype=bool)
+            touched[self._tokens] = True
+            self._untouched = np.flatnonzero(~touched)
+        if self._untouched.size:
+            array[self._untouched] = 0
+        return ChunkSum(array)
 
-    def accumulate(self, w: int, lo: int, hi: int, y: np.ndarray, acc: np.ndarray) -> None:
+    def accumulate(self, w: int, lo: int, hi: int, y: np.ndarray, acc: "ChunkSum") -> None:
         """Add the weighted outputs of rows [lo, hi) of worker w's block (``y``, (hi - lo, d),
         read where it landed) into ``acc``: a worker's rows may come back in several messages,
         each added as it lands and then given back."""
+        out, seen = acc.array, acc.seen
         for sw, rows, toks, wts, _ in self._segments:
             if sw != w:
                 continue
             a, b = np.searchsorted(rows, (lo, hi))  # a segment's rows are ascending
             if a == b:
                 continue
+            if _native_ok(y, out):
+                _native.scatter(out, y, rows[a:b], toks[a:b], wts[a:b], lo, seen)
+                continue
             contrib = np.take(y, rows[a:b] - lo, axis=0)
             if contrib.dtype != np.float32:
                 contrib = bf16.to_float32(contrib) if bf16.is_bf16(contrib.dtype) else contrib.astype(np.float32)
             contrib *= wts[a:b]
-            acc[toks[a:b]] += contrib  # token ids are unique within a segment
+            t = toks[a:b]  # token ids are unique within a segment
+            old = seen[t].view(bool)
+            out[t[~old]] = contrib[~old]
+            out[t[old]] += contrib[old]
+            seen[t] = 1
 
     @staticmethod
-    def finish(acc: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Write an accumulated sum into ``out`` in its dtype (bf16 rounded to nearest even)."""
+    def finish(acc: "ChunkSum", out: np.ndarray) -> np.ndarray:
+        """Write an accumulated sum into ``out`` in its dtype (bf16 rounded to nearest even);
+        nothing to do when it was summed in ``out`` itself."""
+        if acc.array is out:
+            return out
         if bf16.is_bf16(out.dtype):
-            bf16.from_float32(acc, out=out)
+            bf16.from_float32(acc.array, out=out)
         else:
-            np.copyto(out, acc, casting="same_kind")
+            np.copyto(out, acc.array, casting="same_kind")
         return out
 
     def __repr__(self) -> str:
         per = [self.worker_tokens(w) for w in range(self.n_workers)]
         return f"DispatchPlan(T={self.num_tokens}, k={self.top_k}, rows_per_worker={per})"
+
+
+class ChunkSum:
+    """One request's float32 (T, d) sum as its chunks land (:meth:`DispatchPlan.accumulate`),
+    and which tokens have a contribution in it yet. A token's first contribution is written,
+    the others added, so the sum is never zeroed up front: zeroing a 4096-token, 1024-wide
+    output took ~3 ms of the gateway's thread just as the first chunks went out, and the
+    chunks behind them waited. The same bits as adding to zeros, except that a first
+    contribution of -0.0 stays -0.0 (as :meth:`DispatchPlan.combine` writes it too)."""
+
+    __slots__ = ("array", "seen")
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+        self.seen = np.zeros(array.shape[0], np.uint8)  # 1: the token's row holds a contribution
 
 
 def split_over_replicas(topk_idx: np.ndarray, replicas: Mapping[int, Sequence[int]] | Sequence[Sequence[int]],

@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from gateway.chunking import ChunkMode, ChunkSetting, choose_chunk_rows, chunk_groups, parse_chunk_rows, split_part
-from gateway.dispatch import DispatchPlan, split_over_replicas
+from gateway.dispatch import ChunkSum, DispatchPlan, split_over_replicas
 from gateway.replicas import BALANCING, choose_least_loaded, choose_replicas
 from gateway.router import Routing
 from gateway.workers import WorkerLink, WorkerSet
@@ -120,7 +120,7 @@ class Request:
         self.waiting: set = set()  # workers whose reply this request still needs
         self.finished = False
         self.arrived = time.perf_counter()
-        self.acc: Optional[np.ndarray] = None  # float32 sum of a chunked round's replies so far
+        self.acc: Optional[ChunkSum] = None  # float32 sum of a chunked round's replies so far
         # where the caller wants the output, if known when it is dispatched: a float32 one is
         # a chunked round's sum itself, so nothing is copied once the last chunk is in
         self.out = out
@@ -141,8 +141,7 @@ class Request:
         rnd = self.round
         t = time.perf_counter()
         if self.acc is not None:  # a chunked round: summed as the chunks landed
-            if self.acc is not out:
-                self.plan.finish(self.acc, out)
+            self.plan.finish(self.acc, out)
             rnd.stats.combine_s += time.perf_counter() - t
             rnd.combined()
             return out
@@ -462,9 +461,8 @@ class RoundBook:
                 self._finish(r)
 
     def _sums(self, rnd: Round) -> None:
-        """A chunked round's zeroed sums, made after its messages went (the first reply can
-        only be read after this returns): zeroing them is off the path to the first
-        worker's start."""
+        """A chunked round's sums, made after its messages went (the first reply can only be
+        read after this returns): off the path to the first worker's start."""
         if rnd.chunked:
             for r in rnd.requests:
                 if r.round is rnd and r.waiting and r.acc is None:

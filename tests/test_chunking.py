@@ -262,11 +262,14 @@ def test_gap_growing_with_rows_is_not_a_message_cost():
 def test_accumulator_sums_into_a_float32_output():
     plan, rng = _plan()
     out = np.full((plan.num_tokens, 4), 7.0, np.float32)
-    assert plan.accumulator(4, into=out) is out and not out.any()  # zeroed, summed in place
-    assert plan.accumulator(4, into=np.empty((plan.num_tokens, 5), np.float32)).shape == (plan.num_tokens, 4)
+    acc = plan.accumulator(4, into=out)
+    assert acc.array is out  # summed in place
+    assert not out[0].any() and (out[1:] == 7).all()  # only the token nobody computes is zeroed
+    assert not acc.seen.any()
+    assert plan.accumulator(4, into=np.empty((plan.num_tokens, 5), np.float32)).array.shape == (plan.num_tokens, 4)
     half = np.empty((plan.num_tokens, 4), bf16.wire_dtype("bfloat16"))
     acc = plan.accumulator(4, into=half)  # a narrow output is summed in float32 and rounded once
-    assert acc is not half and acc.dtype == np.float32
+    assert acc.array is not half and acc.array.dtype == np.float32
 
 
 def _plan(T=23, k=3, n_workers=3, n_experts=6, seed=0):
@@ -288,7 +291,7 @@ def test_accumulate_chunk_by_chunk_equals_the_whole_combine(dtype, size):
                if dtype == "bfloat16" else rng.standard_normal((plan.worker_tokens(w), d)).astype(np.float32)
                for w in range(plan.n_workers)]
     whole = plan.combine(outputs, np.empty((plan.num_tokens, d), wire))
-    acc = plan.accumulator(d)
+    acc = plan.accumulator(d, into=np.full((plan.num_tokens, d), np.nan, np.float32))  # none of it read
     chunks = [(w, lo) for w in range(plan.n_workers) for lo in range(0, plan.worker_tokens(w), size)]
     for i in rng.permutation(len(chunks)):  # in any order replies may land
         w, lo = chunks[i]

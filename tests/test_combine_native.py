@@ -1,0 +1,149 @@
+"""gateway/_combine.c against the numpy combine it replaces: the same bits, whole and in
+chunks, and nothing written when an index is out of range."""
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway import dispatch
+from gateway.dispatch import DispatchPlan
+
+REQUIRED = os.environ.get("MOE_REQUIRE_NATIVE") == "1"
+needs_native = pytest.mark.skipif(not dispatch.NATIVE_COMBINE and not REQUIRED,
+                                  reason="gateway/_combine.c is not built here (make deps builds it)")
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_the_compiled_combine_is_built_where_it_is_required():
+    if REQUIRED:
+        assert dispatch.NATIVE_COMBINE, "gateway/_combine.c was not built (make deps: gcc, python3-dev)"
+
+
+def random_plan(rng, T, k, E, W, drop):
+    idx = np.stack([rng.permutation(E)[:k] for _ in range(T)]) if T else np.zeros((0, k), np.int64)
+    if drop and T:
+        idx[rng.random(idx.shape) < drop] = -1
+    wts = rng.random((T, k)).astype(np.float32)
+    assign = np.where(idx >= 0, rng.integers(0, W, idx.shape), -1)
+    return DispatchPlan.from_assignment(idx, wts, assign, W, n_experts=E)
+
+
+def outputs_of(rng, plan, d):
+    return [rng.standard_normal((plan.worker_tokens(w), d)).astype(np.float32) for w in range(plan.n_workers)]
+
+
+def numpy_only(fn, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(dispatch, "_native", None)
+        return fn()
+
+
+@needs_native
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), T=st.integers(0, 40), k=st.integers(1, 3), W=st.integers(1, 3),
+       d=st.sampled_from([1, 3, 8, 33]), drop=st.sampled_from([0.0, 0.3, 1.0]))
+def test_the_compiled_combine_gives_numpys_bits(seed, T, k, W, d, drop):
+    rng = np.random.default_rng(seed)
+    plan = random_plan(rng, T, k, 5, W, drop)
+    ys = outputs_of(rng, plan, d)
+    native = plan.combine(ys, np.full((T, d), np.nan, np.float32))
+    mp = pytest.MonkeyPatch()
+    try:
+        reference = numpy_only(lambda: plan.combine(ys, np.full((T, d), np.nan, np.float32)), mp)
+    finally:
+        mp.undo()
+    assert native.tobytes() == reference.tobytes()
+
+
+@needs_native
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), T=st.integers(1, 40), k=st.integers(1, 3), W=st.integers(1, 2),
+       cuts=st.lists(st.integers(1, 7), min_size=1, max_size=6))
+def test_chunks_summed_as_they_land_give_numpys_bits(seed, T, k, W, cuts):
+    rng = np.random.default_rng(seed)
+    d = 5
+    plan = random_plan(rng, T, k, 4, W, 0.2)
+    ys = outputs_of(rng, plan, d)
+
+    def summed():  # into an output full of NaN: no row is read before it is written
+        acc = plan.accumulator(d, into=np.full((T, d), np.nan, np.float32))
+        for w in range(W):
+            n, lo, i = plan.worker_tokens(w), 0, 0
+            while lo < n:
+                hi = min(n, lo + cuts[i % len(cuts)])
+                plan.accumulate(w, lo, hi, ys[w][lo:hi], acc)
+                lo, i = hi, i + 1
+        return acc.array
+
+    native = summed()
+    mp = pytest.MonkeyPatch()
+    try:
+        reference = numpy_only(summed, mp)
+    finally:
+        mp.undo()
+    assert native.tobytes() == reference.tobytes()
+    # and the sum in chunks is the combine sent whole
+    assert np.allclose(native, plan.combine(ys, np.empty((T, d), np.float32)), rtol=1e-6, atol=1e-6)
+
+
+@needs_native
+def test_an_index_out_of_range_writes_nothing():
+    from gateway import _combine
+    out = np.zeros((4, 3), np.float32)
+    y = np.ones((2, 3), np.float32)
+    w = np.ones(2, np.float32)
+    for rows, toks, row0 in (([0, 2], [0, 1], 0),  # row 2 of 2
+                             ([0, 1], [0, 4], 0),  # token 4 of 4
+                             ([0, 1], [-1, 0], 0),
+                             ([5, 6], [0, 1], 6)):  # row 5 below row0
+        with pytest.raises(ValueError, match="entry"):
+            _combine.scatter(out, y, np.array(rows, np.int64), np.array(toks, np.int64), w, row0, False)
+        assert not out.any()
+    _combine.scatter(out, y, np.array([5, 6], np.int64), np.array([3, 1], np.int64), np.float32([2, 3]), 5, True)
+    assert out.tolist() == [[0] * 3, [3] * 3, [0] * 3, [2] * 3]
+    # with a token's flags: the out-of-range check comes before any flag or row is written
+    seen = np.zeros(4, np.uint8)
+    with pytest.raises(ValueError, match="entry 1"):
+        _combine.scatter(out, y, np.array([0, 1], np.int64), np.array([0, 9], np.int64), w, 0, seen)
+    assert not seen.any() and out.tolist() == [[0] * 3, [3] * 3, [0] * 3, [2] * 3]
+    seen[1] = 1
+    _combine.scatter(out, y, np.array([0, 1], np.int64), np.array([0, 1], np.int64), np.float32([5, 7]), 0, seen)
+    assert seen.tolist() == [1, 1, 0, 0]
+    assert out.tolist() == [[5] * 3, [10] * 3, [0] * 3, [2] * 3]  # token 0 written, token 1 added to
+
+
+@needs_native
+def test_arrays_of_the_wrong_kind_are_refused():
+    from gateway import _combine
+    out = np.zeros((4, 3), np.float32)
+    y = np.ones((2, 3), np.float32)
+    r, t, w = np.array([0, 1], np.int64), np.array([0, 1], np.int64), np.ones(2, np.float32)
+    bad = [
+        (out.astype(np.float64), y, r, t, w),  # float64 out
+        (out, y.astype(np.float16), r, t, w),
+        (out, np.ones((2, 4), np.float32), r, t, w),  # columns differ
+        (out, y, r.astype(np.int32), t, w),
+        (out, y, r, t[:1], w),  # fewer tokens than rows
+        (out, y, r, t, np.ones(3, np.float32)),
+        (out[:, ::2], np.ones((2, 2), np.float32), r, t, w),  # not contiguous
+        (out.ravel(), y, r, t, w),  # 1-D
+    ]
+    for args in bad:
+        with pytest.raises((ValueError, BufferError)):
+            _combine.scatter(*args, 0, False)
+    ro = np.zeros((4, 3), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises((ValueError, BufferError)):
+        _combine.scatter(ro, y, r, t, w, 0, False)
+    with pytest.raises(TypeError):
+        _combine.scatter(out, y, r, t, w, 0)
+    for flags in (np.zeros(3, np.uint8), np.zeros(4, np.int64), np.zeros(4, np.uint8)[::-1]):
+        with pytest.raises((ValueError, BufferError)):  # not one contiguous byte per token
+            _combine.scatter(out, y, r, t, w, 0, flags)
+    ro = np.zeros(4, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises((ValueError, BufferError)):
+        _combine.scatter(out, y, r, t, w, 0, ro)
+    assert not out.any()
