@@ -31,7 +31,7 @@ MODE_MARGIN = 0.05  # chunks are kept only if that much cheaper per row (rounds 
 PROBE_EVERY = 16  # one round in this many goes the other way, so both stay measured...
 MAX_PROBE_EVERY = 256  # ...one in twice as many each time a probe left the choice as it was
 MAX_CHUNKS = 64  # auto's smallest size tried cuts a part in at most this many
-EDGE = 8  # a part's first and last chunks are at most 1/EDGE of the size (see taper)
+EDGE = 8  # a part's first and last chunks are at most 1/EDGE of the size, ramping up (see split_part)
 MIN_PIECE = 128  # rows below which cutting a group for an edge chunk costs more than it hides
 
 ChunkSetting = Union[str, int]  # "auto", or a fixed size in rows (0: never chunk)
@@ -76,6 +76,41 @@ def _bucket(rows: int) -> int:
     return round(2 * math.log2(max(1, int(rows))))
 
 
+class DecayedLine:
+    """A line ``y = a + b x`` fitted to decayed sums (the past weighs DECAY per sample), for
+    a cost with a fixed part per message and a part growing with its rows: ``a`` is what one
+    more message costs, ``b x`` is paid whole or chunked alike."""
+
+    __slots__ = ("sums",)
+
+    def __init__(self) -> None:
+        self.sums = [0.0] * 5  # n, x, y, x^2, x*y
+
+    def record(self, x: float, y: float) -> None:
+        g = self.sums
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            g[i] = DECAY * g[i] + v
+
+    @property
+    def mean(self) -> Optional[float]:
+        n, _, sy, _, _ = self.sums
+        return sy / n if n > 0 else None
+
+    @property
+    def intercept(self) -> Optional[float]:
+        """``a`` clamped to [0, mean]; the mean itself where the x seen do not spread enough to
+        fit (all of it then counts as fixed), None before the first sample."""
+        n, sx, sy, sxx, sxy = self.sums
+        if n <= 0:
+            return None
+        mean = sy / n
+        den = n * sxx - sx * sx
+        if den <= 1e-9 * max(1.0, n * sxx):
+            return mean
+        slope = max(0.0, (n * sxy - sx * sy) / den)
+        return min(mean, max(0.0, (sy - slope * sx) / n))
+
+
 @dataclass
 class ChunkCosts:
     """What one worker costs, measured from its replies: the fixed cost of one message
@@ -83,13 +118,17 @@ class ChunkCosts:
     and compute seconds per row by message size (power-of-two buckets, decayed sums so a
     block weighs by its rows)."""
 
-    send_s: Optional[float] = None  # the gateway's time to send one (after its gather)
+    # the gateway's time to send one (after its gather), by size (half-octave buckets:
+    # [decayed seconds, decayed count]). Over tcp a send copies what the socket takes at
+    # once: its time grows with the rows up to the socket's buffer, then stays flat, and
+    # that copy is paid whole or chunked alike. No line fits that; the smallest messages'
+    # time bounds the fixed part from above (see send_s).
+    send: dict = field(default_factory=dict)
     serve_s: Optional[float] = None  # the worker's time on one outside its compute
     # the worker's time between replying to one chunk and taking the next one, already
     # sent: its reply's send, its loop, and its own copying of bytes where the transport
-    # makes it copy (tcp: growing with the rows). Decayed sums for a line gap = a + b rows,
-    # whose a is what one more message costs: [n, rows, gap, rows^2, rows*gap]
-    gaps: list = field(default_factory=lambda: [0.0] * 5)
+    # makes it copy (tcp: growing with the rows)
+    gap: DecayedLine = field(default_factory=DecayedLine)
     idle_s: Optional[float] = None  # its time with no token to compute in a round sent whole
     per_row: dict = field(default_factory=dict)  # bucket -> [decayed seconds, decayed rows]
 
@@ -101,30 +140,31 @@ class ChunkCosts:
         return self.send_s + self.serve_s + (self.gap_s or 0.0)
 
     @property
-    def gap_s(self) -> Optional[float]:
-        """The fixed part of the worker's gap between chunks (the line's intercept, clamped
-        to [0, mean]); the mean itself where the sizes seen do not spread enough to fit."""
-        n, sx, sy, sxx, sxy = self.gaps
-        if n <= 0:
+    def send_s(self) -> Optional[float]:
+        """The fixed part of the gateway's send: the mean time of the smallest messages
+        measured (at most: they copy the fewest bytes), None before the first."""
+        if not self.send:
             return None
-        mean = sy / n
-        den = n * sxx - sx * sx
-        if den <= 1e-9 * max(1.0, n * sxx):
-            return mean
-        slope = max(0.0, (n * sxy - sx * sy) / den)
-        return min(mean, max(0.0, (sy - slope * sx) / n))
+        s, n = self.send[min(self.send)]
+        return s / n
 
-    def record_send(self, seconds: float) -> None:
-        self.send_s = _decayed(self.send_s, seconds)
+    @property
+    def gap_s(self) -> Optional[float]:
+        """The fixed part of the worker's gap between chunks."""
+        return self.gap.intercept
+
+    def record_send(self, seconds: float, rows: int = 1) -> None:
+        if seconds >= 0 and rows > 0:
+            acc = self.send.setdefault(_bucket(rows), [0.0, 0.0])
+            acc[0] = DECAY * acc[0] + seconds
+            acc[1] = DECAY * acc[1] + 1.0
 
     def record_serve(self, seconds: float) -> None:
         self.serve_s = _decayed(self.serve_s, seconds)
 
     def record_gap(self, seconds: float, rows: int) -> None:
         if 0.0 <= seconds < 1.0 and rows > 0:  # else a worker clock from elsewhere, or a stop
-            g = self.gaps
-            for i, v in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
-                g[i] = DECAY * g[i] + v
+            self.gap.record(rows, seconds)
 
     def record_idle(self, seconds: float) -> None:
         """A round that sent this worker its part whole, alone in flight (with other rounds
@@ -215,41 +255,75 @@ def part_bounds(groups: Sequence[Sequence[int]], rows: int, size: int) -> list[i
     return bounds
 
 
-def taper(bounds: list[int], groups: Sequence[Sequence[int]], edge: int) -> list[int]:
-    """``bounds`` (from :func:`part_bounds`, more than one chunk) with the first and the last
-    chunk cut to at most ``edge`` rows: the worker starts once the first chunk is gathered and
-    sent, and the round ends once the last chunk's reply is summed, so those two are what
-    the overlap cannot hide. A cut goes at a group start where one leaves the edge chunk
-    non-empty and within ``edge``; else inside the group, ``edge`` rows from the end, only
-    if both pieces keep MIN_PIECE rows (a product is one read of the expert's weights
-    whatever its rows: a small piece costs more than the rows it stops exposing)."""
-    if len(bounds) <= 2 or edge <= 0:
-        return bounds
-    spans = [(int(g[1]), int(g[1]) + int(g[2])) for g in groups]
-    out = list(bounds)
-    lo, hi = out[0], out[1]
-    if hi - lo > edge:
-        at = [s for s, _ in spans if lo < s <= lo + edge]
-        end = min((e for s, e in spans if s <= lo < e), default=hi)
-        if at:
-            out.insert(1, max(at))
-        elif edge >= MIN_PIECE and min(end, hi) - (lo + edge) >= MIN_PIECE:
-            out.insert(1, lo + edge)
-    lo, hi = out[-2], out[-1]
-    if hi - lo > edge:
-        at = [s for s, _ in spans if lo < s and hi - s <= edge]
-        start = max((s for s, e in spans if s < hi <= e), default=lo)
-        if at:
-            out.insert(len(out) - 1, min(at))
-        elif edge >= MIN_PIECE and (hi - edge) - max(start, lo) >= MIN_PIECE:
-            out.insert(len(out) - 1, hi - edge)
-    return out
+def _front_cut(spans: list, lo: int, hi: int, limit: int) -> Optional[int]:
+    """Where a ramp chunk starting at ``lo`` ends, at most ``limit`` rows on and before ``hi``:
+    the last group start that leaves at least half of ``limit``; else ``limit`` rows on,
+    inside a group, if both its pieces keep MIN_PIECE rows (a product is one read of the
+    expert's weights whatever its rows: a small piece costs more than the rows it stops
+    exposing); else the last group start in reach; else None (the ramp stops there)."""
+    at = [s for s, _ in spans if lo < s <= lo + limit and s < hi]
+    if at and max(at) - lo >= limit // 2:
+        return max(at)
+    x = lo + limit
+    if x < hi and limit >= MIN_PIECE:
+        inside = [(s, e) for s, e in spans if s < x < e]
+        if inside and x - max(inside[0][0], lo) >= MIN_PIECE and min(inside[0][1], hi) - x >= MIN_PIECE:
+            return x
+    return max(at) if at else None
+
+
+def _back_cut(spans: list, lo: int, hi: int, limit: int) -> Optional[int]:
+    """:func:`_front_cut` from the other end: where a ramp chunk ending at ``hi`` starts."""
+    at = [s for s, _ in spans if lo < s < hi and hi - s <= limit]
+    if at and hi - min(at) >= limit // 2:
+        return min(at)
+    x = hi - limit
+    if x > lo and limit >= MIN_PIECE:
+        inside = [(s, e) for s, e in spans if s < x < e]
+        if inside and x - max(inside[0][0], lo) >= MIN_PIECE and min(inside[0][1], hi) - x >= MIN_PIECE:
+            return x
+    return min(at) if at else None
 
 
 def split_part(groups: Sequence[Sequence[int]], rows: int, size: int) -> list[int]:
-    """A part's chunk offsets at chunk size ``size``: :func:`part_bounds`, then
-    :func:`taper` with edge chunks of 1/EDGE of it."""
-    return taper(part_bounds(groups, rows, size), groups, size // EDGE)
+    """A part's chunk offsets at chunk size ``size``, ``[0, ..., rows]``: ramps at both ends,
+    :func:`part_bounds` between them. The worker starts once the first chunk is gathered and
+    sent, and the round ends once the last chunk's reply is summed, so those two are what
+    the overlap cannot hide: they are cut to 1/EDGE of the size. And the chunk after the
+    first must land while the first computes (the one before the last be summed while the
+    last computes), else the worker waits for it: a small edge chunk beside a full one only
+    exposed that one's flight instead. So from each end the chunks double (edge, 2 edge, 4
+    edge, ...) until the next may be full size. Each end's ramp stays in its half of the
+    part; a cut goes where :func:`_front_cut` (:func:`_back_cut`) finds room, and a ramp
+    stops where it finds none."""
+    base = part_bounds(groups, rows, size)
+    edge = size // EDGE
+    if len(base) <= 2 or edge <= 0:
+        return base
+    spans = [(int(g[1]), int(g[1]) + int(g[2])) for g in groups]
+    front, limit = [0], edge
+    while limit < size:
+        x = _front_cut(spans, front[-1], rows // 2, limit)
+        if x is None:  # stopped short: on to part_bounds' next cut, not a repacked chunk
+            nxt = [y for y in base[1:-1] if y > front[-1]]
+            if nxt:
+                front.append(nxt[0])
+            break
+        limit = max(edge, 2 * (x - front[-1]))
+        front.append(x)
+    back, limit = [rows], edge
+    while limit < size:
+        x = _back_cut(spans, max(front[-1], rows // 2), back[-1], limit)
+        if x is None:
+            prv = [y for y in base[1:-1] if front[-1] < y < back[-1]]
+            if prv:
+                back.append(prv[-1])
+            break
+        limit = max(edge, 2 * (back[-1] - x))
+        back.append(x)
+    a, b = front[-1], back[-1]
+    middle = [a + m for m in part_bounds(chunk_groups(groups, a, b), b - a, size)[1:-1]] if b > a else []
+    return front + middle + back[::-1]
 
 
 def chunk_groups(groups: Sequence[Sequence[int]], lo: int, hi: int) -> list[tuple]:

@@ -554,7 +554,7 @@ class RoundBook:
         st = rnd.stats
         st.messages += 1
         st.gather_s += t1 - t0
-        w.chunk_costs.record_send(time.perf_counter() - t1)
+        w.chunk_costs.record_send(time.perf_counter() - t1, rows)
         w.rows_sent += rows
         w.batches_sent += 1
         for g in groups:
