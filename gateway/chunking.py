@@ -153,6 +153,19 @@ class ChunkCosts:
         """The fixed part of the worker's gap between chunks."""
         return self.gap.intercept
 
+    def ramp_growth(self, rows: int) -> float:
+        """How fast :func:`split_part`'s ramps may grow for a part of ``rows`` rows: while a
+        chunk of r rows computes (c r seconds), the next, g r rows, must land (u g r), so g
+        = c / u. u is the worker's no-token time in a round sent whole, per row, half of it
+        on the way in (gather and flight) and half on the way out (flight and sum). Over tcp
+        here c / u is about 3; over shm, with no flight, 15 or more, where a ramp's small
+        chunks would only cost messages. Clamped to [2, EDGE] (EDGE: from the edge chunk
+        straight to full size); 2 until both are measured."""
+        c = self.seconds_per_row(rows)
+        if not c or not self.idle_s or rows <= 0:
+            return 2.0
+        return min(float(EDGE), max(2.0, c * 2 * rows / self.idle_s))
+
     def record_send(self, seconds: float, rows: int = 1) -> None:
         if seconds >= 0 and rows > 0:
             acc = self.send.setdefault(_bucket(rows), [0.0, 0.0])
@@ -217,7 +230,7 @@ def choose_chunk_rows(rows: int, setting: ChunkSetting, costs: Optional[ChunkCos
         c *= 2
     while 2 * c <= rows:
         if groups is not None:
-            b = split_part(groups, rows, c)
+            b = split_part(groups, rows, c, costs.ramp_growth(rows))
             n, exposed = len(b) - 1, (b[1] + b[-1] - b[-2]) / (2 * rows)
         else:
             n = -(-rows // c)
@@ -285,17 +298,17 @@ def _back_cut(spans: list, lo: int, hi: int, limit: int) -> Optional[int]:
     return min(at) if at else None
 
 
-def split_part(groups: Sequence[Sequence[int]], rows: int, size: int) -> list[int]:
+def split_part(groups: Sequence[Sequence[int]], rows: int, size: int, growth: float = 2.0) -> list[int]:
     """A part's chunk offsets at chunk size ``size``, ``[0, ..., rows]``: ramps at both ends,
     :func:`part_bounds` between them. The worker starts once the first chunk is gathered and
     sent, and the round ends once the last chunk's reply is summed, so those two are what
     the overlap cannot hide: they are cut to 1/EDGE of the size. And the chunk after the
     first must land while the first computes (the one before the last be summed while the
     last computes), else the worker waits for it: a small edge chunk beside a full one only
-    exposed that one's flight instead. So from each end the chunks double (edge, 2 edge, 4
-    edge, ...) until the next may be full size. Each end's ramp stays in its half of the
-    part; a cut goes where :func:`_front_cut` (:func:`_back_cut`) finds room, and a ramp
-    stops where it finds none."""
+    exposed that one's flight instead. So from each end the chunks grow by ``growth`` (edge,
+    2 edge, 4 edge, ... at 2; see :meth:`ChunkCosts.ramp_growth`) until the next may be full
+    size. Each end's ramp stays in its half of the part; a cut goes where :func:`_front_cut`
+    (:func:`_back_cut`) finds room, and a ramp stops where it finds none."""
     base = part_bounds(groups, rows, size)
     edge = size // EDGE
     if len(base) <= 2 or edge <= 0:
@@ -309,7 +322,7 @@ def split_part(groups: Sequence[Sequence[int]], rows: int, size: int) -> list[in
             if nxt:
                 front.append(nxt[0])
             break
-        limit = max(edge, 2 * (x - front[-1]))
+        limit = max(edge, int(growth * (x - front[-1])))
         front.append(x)
     back, limit = [rows], edge
     while limit < size:
@@ -319,7 +332,7 @@ def split_part(groups: Sequence[Sequence[int]], rows: int, size: int) -> list[in
             if prv:
                 back.append(prv[-1])
             break
-        limit = max(edge, 2 * (back[-1] - x))
+        limit = max(edge, int(growth * (back[-1] - x)))
         back.append(x)
     a, b = front[-1], back[-1]
     middle = [a + m for m in part_bounds(chunk_groups(groups, a, b), b - a, size)[1:-1]] if b > a else []

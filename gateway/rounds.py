@@ -444,8 +444,9 @@ class RoundBook:
             if base:
                 rnd.rows[w] = base
                 rnd.groups[w] = self._part_groups(rnd, w)
-                size = choose_chunk_rows(base, self.chunk_rows, self.workers[w].chunk_costs, rnd.groups[w])
-                rnd.bounds[w] = split_part(rnd.groups[w], base, size)
+                costs = self.workers[w].chunk_costs
+                size = choose_chunk_rows(base, self.chunk_rows, costs, rnd.groups[w])
+                rnd.bounds[w] = split_part(rnd.groups[w], base, size, costs.ramp_growth(base))
         # auto: the size model would chunk this round; measured costs say whether to
         rnd.eligible = self.chunk_rows == "auto" and rnd.chunked
         if rnd.eligible and not self.chunk_mode.want_chunks(measurable=rnd.alone):

@@ -204,6 +204,29 @@ def test_ramps_double_from_each_end(size, more):
     assert all(x <= size for x in sizes)
 
 
+def test_ramps_grow_as_fast_as_the_transport_allows():
+    """A ramp's growth is what lands while the chunk before computes: the worker's compute
+    per row over its no-token time per row, half of it each way; clamped to [2, EDGE]."""
+    from gateway.chunking import EDGE, split_part
+    c = ChunkCosts()
+    assert c.ramp_growth(8192) == 2.0  # nothing measured: the cautious ramp
+    c.record_compute(8192, 8192 * 11.5e-6)
+    c.record_idle(60e-3)  # tcp-like: 3.7 us a row each way
+    assert c.ramp_growth(8192) == pytest.approx(11.5e-6 * 2 * 8192 / 60e-3)
+    c.record_idle(1e-9)
+    for _ in range(200):
+        c.record_idle(12e-3)  # shm-like: 0.7 us a row
+    assert c.ramp_growth(8192) == float(EDGE)
+    for _ in range(200):
+        c.record_idle(1.0)  # the flight far longer than the compute
+    assert c.ramp_growth(8192) == 2.0
+    # growth EDGE: from the edge chunk straight to full size (one-row groups: cuts anywhere)
+    b = split_part(_groups([1] * 8192), 8192, 2048, float(EDGE))
+    assert [y - x for x, y in zip(b, b[1:])] == [256, 2048, 2048, 2048, 1536, 256]
+    b = split_part(_groups([1] * 8192), 8192, 2048, 3.0)
+    assert [y - x for x, y in zip(b, b[1:])][:2] == [256, 768]
+
+
 def test_ramp_examples():
     from gateway.chunking import split_part
     # 1024-row groups at 2048 a chunk: 256, 512, 1024 from each end (inside the first and
