@@ -32,7 +32,7 @@ PROBE_EVERY = 16  # one round in this many goes the other way, so both stay meas
 MAX_PROBE_EVERY = 256  # ...one in twice as many each time a probe left the choice as it was
 MAX_CHUNKS = 64  # auto's smallest size tried cuts a part in at most this many
 EDGE = 8  # a part's first and last chunks are at most 1/EDGE of the size, ramping up (see split_part)
-MIN_PIECE = 128  # rows below which cutting a group for an edge chunk costs more than it hides
+MIN_PIECE = 128  # rows below which cutting a group for a ramp's chunk costs more than it hides
 
 ChunkSetting = Union[str, int]  # "auto", or a fixed size in rows (0: never chunk)
 
@@ -90,11 +90,6 @@ class DecayedLine:
         g = self.sums
         for i, v in enumerate((1.0, x, y, x * x, x * y)):
             g[i] = DECAY * g[i] + v
-
-    @property
-    def mean(self) -> Optional[float]:
-        n, _, sy, _, _ = self.sums
-        return sy / n if n > 0 else None
 
     @property
     def intercept(self) -> Optional[float]:
