@@ -220,12 +220,13 @@ def choose_chunk_rows(rows: int, setting: ChunkSetting, costs: Optional[ChunkCos
     if not whole:
         return rows
     best, best_net = rows, MARGIN * rows * whole
+    growth = costs.ramp_growth(rows)
     c = MIN_CHUNK
     while c * MAX_CHUNKS < rows:  # more messages than that never pays: not worth the model's time
         c *= 2
     while 2 * c <= rows:
         if groups is not None:
-            b = split_part(groups, rows, c, costs.ramp_growth(rows))
+            b = split_part(groups, rows, c, growth)
             n, exposed = len(b) - 1, (b[1] + b[-1] - b[-2]) / (2 * rows)
         else:
             n = -(-rows // c)

@@ -79,7 +79,9 @@ class DispatchPlan:
                 rows = np.flatnonzero(slots[lo:hi] == j)
                 if rows.size:
                     self._segments.append((w, rows, tokens[lo:hi][rows], weights[lo:hi][rows, None], j == 0))
-        self._untouched: Optional[np.ndarray] = None  # tokens no worker computes (accumulator)
+        touched = np.zeros(num_tokens, dtype=bool)
+        touched[tokens] = True
+        self._untouched = np.flatnonzero(~touched)  # tokens no worker computes (accumulator)
         has_first = np.zeros(num_tokens, dtype=bool)
         has_first[tokens[slots == 0]] = True
         self._unset = np.flatnonzero(~has_first)
@@ -254,10 +256,6 @@ class DispatchPlan:
             array = into
         else:
             array = np.empty((self.num_tokens, d), np.float32)
-        if self._untouched is None:
-            touched = np.zeros(self.num_tokens, dtype=bool)
-            touched[self._tokens] = True
-            self._untouched = np.flatnonzero(~touched)
         if self._untouched.size:
             array[self._untouched] = 0
         return ChunkSum(array)
