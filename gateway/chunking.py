@@ -198,44 +198,77 @@ class ChunkCosts:
 
 def choose_chunk_rows(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
                       groups: Optional[Sequence[Sequence[int]]] = None) -> int:
-    """Rows per chunk for a part of ``rows`` rows; ``rows`` itself means one message.
+    """Rows per chunk for a part of ``rows`` rows (``rows`` itself: one message); the size
+    :func:`choose_chunks` picks."""
+    return choose_chunks(rows, setting, costs, groups)[0]
 
-    Fixed: that size (0: one message). Auto: of the powers of two from MIN_CHUNK that leave
-    at least two chunks and at most MAX_CHUNKS, the one whose expected saving most exceeds its cost. The saving is
-    the worker's measured no-token time less what stays exposed: the first chunk's gather
-    before the worker starts and the last one's sum after it ends, so the no-token time
-    times (first + last) / (2 rows) -- 1/n for n equal chunks. The cost is n messages plus
-    the rows times the extra compute per row measured at that size (or the nearest size
-    measured). One message when none saves more than MARGIN of the part's compute, or
-    before the first rounds measured it. With the part's ``groups``, the chunks are the
-    ones :func:`split_part` makes of it at that size, else equal ones."""
+
+def choose_chunks(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
+                  groups: Optional[Sequence[Sequence[int]]] = None) -> tuple[int, int]:
+    """``(size, edge)`` for a part of ``rows`` rows: at most ``size`` rows a chunk, the ramps
+    of :func:`split_part` starting from ``edge`` rows; ``size == rows`` means one message.
+
+    Fixed: that size (0: one message), edges 1/EDGE of it. Auto: of the powers of two from
+    MIN_CHUNK that leave at least two chunks and at most MAX_CHUNKS, and edges 1/EDGE,
+    1/(2 EDGE) or 1/(4 EDGE) of each, the pair whose expected saving most exceeds its cost.
+    The saving is the worker's measured no-token time less what stays exposed: the first
+    chunk's gather before the worker starts and the last one's sum after it ends, so the
+    no-token time times (first + last) / (2 rows) -- 1/n for n equal chunks. The cost is n
+    messages plus each chunk's rows times the extra compute per row measured at its size
+    (or the nearest size measured). A smaller edge exposes less and costs more messages (a
+    longer ramp) and slower small products: the measured costs decide. One message when
+    none saves more than MARGIN of the part's compute, or before the first rounds measured
+    it. With the part's ``groups``, the chunks are the ones :func:`split_part` makes of it,
+    else equal ones."""
     if rows <= 1:
-        return max(rows, 0)
+        return max(rows, 0), max(rows, 0)
     if setting != "auto":
         c = int(setting)
-        return rows if c <= 0 or c >= rows else c
+        c = rows if c <= 0 or c >= rows else c
+        return c, c // EDGE
     if costs is None or costs.msg_s is None or costs.idle_s is None:
-        return rows
+        return rows, rows
     whole = costs.seconds_per_row(rows)
     if not whole:
-        return rows
-    best, best_net = rows, MARGIN * rows * whole
+        return rows, rows
+    msg_s, idle_s = costs.msg_s, costs.idle_s
+    spr: dict = {}  # bucket -> extra compute per row at that size (looked up once a call)
+
+    def lost(n: int) -> float:
+        b = _bucket(n)
+        if b not in spr:
+            spr[b] = max(0.0, (costs.seconds_per_row(n) or whole) - whole)
+        return n * spr[b]
+
+    best, best_net = (rows, rows), MARGIN * rows * whole
     growth = costs.ramp_growth(rows)
-    c = MIN_CHUNK
+    sizes, c = [], MIN_CHUNK
     while c * MAX_CHUNKS < rows:  # more messages than that never pays: not worth the model's time
         c *= 2
     while 2 * c <= rows:
-        if groups is not None:
-            b = split_part(groups, rows, c, growth)
-            n, exposed = len(b) - 1, (b[1] + b[-1] - b[-2]) / (2 * rows)
-        else:
-            n = -(-rows // c)
-            exposed = 1 / n
-        spr = costs.seconds_per_row(c) or whole
-        net = costs.idle_s * (1 - exposed) - n * costs.msg_s - rows * max(0.0, spr - whole)
-        if net > best_net:
-            best, best_net = c, net
+        sizes.append(c)
         c *= 2
+    # largest first (ties keep fewer messages), and a size whose messages alone cost more
+    # than the best saving so far ends the search: every smaller size sends more
+    for c in reversed(sizes):
+        if idle_s - (-(-rows // c)) * msg_s <= best_net:
+            break
+        if groups is None:
+            n = -(-rows // c)
+            candidates = [(c // EDGE, n, 1 / n, (n - 1) * lost(c) + lost(rows - (n - 1) * c))]
+        else:
+            candidates = []
+            for k in (1, 2, 4):
+                e = c // (EDGE * k)
+                if k > 1 and e < MIN_CHUNK:
+                    break
+                b = split_part(groups, rows, c, growth, e)
+                candidates.append((e, len(b) - 1, (b[1] + b[-1] - b[-2]) / (2 * rows),
+                                   sum(lost(y - x) for x, y in zip(b, b[1:]))))
+        for e, n, exposed, extra in candidates:
+            net = idle_s * (1 - exposed) - n * msg_s - extra
+            if net > best_net:
+                best, best_net = (c, e), net
     return best
 
 
@@ -294,11 +327,13 @@ def _back_cut(spans: list, lo: int, hi: int, limit: int) -> Optional[int]:
     return min(at) if at else None
 
 
-def split_part(groups: Sequence[Sequence[int]], rows: int, size: int, growth: float = 2.0) -> list[int]:
+def split_part(groups: Sequence[Sequence[int]], rows: int, size: int, growth: float = 2.0,
+               edge: Optional[int] = None) -> list[int]:
     """A part's chunk offsets at chunk size ``size``, ``[0, ..., rows]``: ramps at both ends,
     :func:`part_bounds` between them. The worker starts once the first chunk is gathered and
     sent, and the round ends once the last chunk's reply is summed, so those two are what
-    the overlap cannot hide: they are cut to 1/EDGE of the size. And the chunk after the
+    the overlap cannot hide: they are cut to ``edge`` rows (default 1/EDGE of the size;
+    auto picks it, :func:`choose_chunks`). And the chunk after the
     first must land while the first computes (the one before the last be summed while the
     last computes), else the worker waits for it: a small edge chunk beside a full one only
     exposed that one's flight instead. So from each end the chunks grow by ``growth`` (edge,
@@ -306,7 +341,7 @@ def split_part(groups: Sequence[Sequence[int]], rows: int, size: int, growth: fl
     size. Each end's ramp stays in its half of the part; a cut goes where :func:`_front_cut`
     (:func:`_back_cut`) finds room, and a ramp stops where it finds none."""
     base = part_bounds(groups, rows, size)
-    edge = size // EDGE
+    edge = size // EDGE if edge is None else min(edge, size)
     if len(base) <= 2 or edge <= 0:
         return base
     spans = [(int(g[1]), int(g[1]) + int(g[2])) for g in groups]

@@ -248,18 +248,47 @@ def test_part_bounds_examples():
 
 def test_auto_with_groups_counts_split_messages_and_exposed_edges():
     """With the part's groups, auto weighs the messages split_part really makes and what
-    stays exposed (the ramps' first and last chunks), not n equal chunks."""
-    from gateway.chunking import split_part
+    stays exposed (the ramps' first and last chunks), not n equal chunks, over the sizes and
+    the edges it may start the ramps from."""
+    from gateway.chunking import EDGE, choose_chunks, split_part
     groups = _groups([1024] * 8)
     flat = {r: 1e-5 for r in (8192, 4096, 2048, 1024, 512, 256, 128, 64, 32)}  # no compute lost
     assert len(split_part(groups, 8192, 4096)) - 1 == 10
     assert len(split_part(groups, 8192, 2048)) - 1 == 9
     assert len(split_part(groups, 8192, 1024)) - 1 == 14
-    # 4096: 10 messages, 1/16 exposed; 2048: 9, 1/32; 1024: 14, 1/64 -- at 0.4 ms a message
-    # 2048 saves most (25.5 ms of 30 against 24.1 and 23.9)
-    assert choose_chunk_rows(8192, "auto", _costs(0.4e-3, flat, 30e-3), groups) == 2048
-    assert choose_chunk_rows(8192, "auto", _costs(0.05e-3, flat, 30e-3), groups) <= 1024  # cheap messages: smaller
+
+    def net(costs, size, edge):  # the saving less the cost, as the docstring states it
+        b = split_part(groups, 8192, size, costs.ramp_growth(8192), edge)
+        return costs.idle_s * (1 - (b[1] + b[-1] - b[-2]) / (2 * 8192)) - (len(b) - 1) * costs.msg_s
+
+    for msg in (0.05e-3, 0.4e-3, 1e-3, 3e-3):
+        costs = _costs(msg, flat, 30e-3)
+        size, edge = choose_chunks(8192, "auto", costs, groups)
+        assert size < 8192
+        tried = [(c, c // (EDGE * k)) for c in (256, 512, 1024, 2048, 4096) for k in (1, 2, 4)]
+        assert all(net(costs, size, edge) >= net(costs, c, e) - 1e-12 for c, e in tried), msg
+    # 4096 a chunk from 128-row edges: 12 messages, 1/64 exposed; at 1/EDGE: 10, 1/16
+    assert choose_chunks(8192, "auto", _costs(0.4e-3, flat, 30e-3), groups) == (4096, 128)
+    assert choose_chunks(8192, "auto", _costs(1e-3, flat, 30e-3), groups) == (4096, 4096 // EDGE)  # dearer: shorter ramps
     assert choose_chunk_rows(8192, "auto", _costs(10e-3, flat, 30e-3), groups) == 8192  # dear ones: whole
+
+
+def test_auto_keeps_edges_whose_small_products_run_slow():
+    """A small edge exposes less, but its products (and its ramp's) may run slower per row:
+    that compute is counted per chunk, at the rate measured at the chunk's size."""
+    from gateway.chunking import EDGE, choose_chunks
+    groups = _groups([1024] * 8)
+    fast = {r: 1e-5 for r in (8192, 4096, 2048, 1024, 512, 256, 128, 64, 32)}
+    assert choose_chunks(8192, "auto", _costs(0.4e-3, fast, 30e-3), groups)[1] < 4096 // EDGE
+    slow = {**fast, 256: 3e-5, 128: 3e-5, 64: 3e-5, 32: 3e-5}  # 3x slower below 512 rows
+    size, edge = choose_chunks(8192, "auto", _costs(0.4e-3, slow, 30e-3), groups)
+    assert edge >= 512 and size // EDGE == edge
+
+
+def test_fixed_sizes_keep_the_default_edge():
+    from gateway.chunking import EDGE, choose_chunks
+    assert choose_chunks(8192, 2048, None) == (2048, 2048 // EDGE)
+    assert choose_chunks(8192, 0, None) == (8192, 8192 // EDGE)
 
 
 def test_message_cost_holds_the_workers_gap():
