@@ -14,6 +14,7 @@ cost, or fixed by the operator. No I/O here: the rules are tested alone.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
@@ -124,7 +125,10 @@ class ChunkCosts:
     # sent: its reply's send, its loop, and its own copying of bytes where the transport
     # makes it copy (tcp: growing with the rows)
     gap: DecayedLine = field(default_factory=DecayedLine)
-    idle_s: Optional[float] = None  # its time with no token to compute in a round sent whole
+    # its time with no token to compute in the last SAMPLES rounds sent whole: a median, as
+    # a worker's first rounds (its slots' pages touched for the first time) run 2-3x that
+    # and a decayed mean carried them long after, auto then sending few rounds whole
+    idle: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
     per_row: dict = field(default_factory=dict)  # bucket -> [decayed seconds, decayed rows]
 
     @property
@@ -177,7 +181,13 @@ class ChunkCosts:
     def record_idle(self, seconds: float) -> None:
         """A round that sent this worker its part whole, alone in flight (with other rounds
         out, the worker may have been busy with theirs)."""
-        self.idle_s = _decayed(self.idle_s, seconds)
+        if seconds >= 0:
+            self.idle.append(seconds)
+
+    @property
+    def idle_s(self) -> Optional[float]:
+        """The median no-token time of the last rounds sent whole, None before the first."""
+        return statistics.median(self.idle) if self.idle else None
 
     def record_compute(self, rows: int, seconds: float) -> None:
         if rows <= 0 or seconds < 0:

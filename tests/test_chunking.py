@@ -83,6 +83,22 @@ def test_auto_avoids_sizes_measured_slower_per_row():
     assert choose_chunk_rows(1024, "auto", costs) == 1024
 
 
+def test_idle_time_is_the_median_of_recent_whole_rounds():
+    """A worker's first rounds (its slots touched for the first time) run far longer than
+    the rest: they must not size the chunks of the rounds after them."""
+    from gateway.chunking import SAMPLES
+    c = ChunkCosts()
+    assert c.idle_s is None
+    for s in (40e-3, 35e-3, 30e-3):  # warming up
+        c.record_idle(s)
+    assert c.idle_s == pytest.approx(35e-3)
+    for _ in range(SAMPLES // 2 + 1):
+        c.record_idle(12e-3)
+    assert c.idle_s == pytest.approx(12e-3)  # a mean decaying by 0.9 a round would still say 28 ms
+    c.record_idle(-1.0)  # a clock gone backwards is not a sample
+    assert c.idle_s == pytest.approx(12e-3)
+
+
 def test_costs_decay_toward_new_measurements():
     c = ChunkCosts()
     for _ in range(100):
