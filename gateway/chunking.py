@@ -25,6 +25,12 @@ MIN_CHUNK = 32
 #: chunks must save more than this share of the part's compute (measurement noise aside)
 MARGIN = 0.02
 DECAY = 0.9  # weight of the past in the decayed sums below
+#: a sample past CLIP times what its estimate expects counts as CLIP times it (plus
+#: CLIP_FLOOR seconds, for estimates near zero): one stall (a page-fault storm, a
+#: descheduled process) must not make messages or a size look dear for good -- auto stops
+#: sending what looks dear, and so stops measuring it
+CLIP = 2.0
+CLIP_FLOOR = 1e-3
 WARMUP = 4  # rounds sent whole (and measured) before auto first tries chunks
 PROBES = 3  # then rounds sent in chunks, to measure them
 SAMPLES = 8  # the last rounds of each way that the choice looks at
@@ -66,10 +72,10 @@ def chunk_rows_flag(value: str) -> str:
     return "off" if v == 0 else str(v)
 
 
-def _decayed(mean: Optional[float], x: float) -> Optional[float]:
-    if x < 0:
-        return mean
-    return x if mean is None else DECAY * mean + (1 - DECAY) * x
+def _clipped(x: float, expected: Optional[float], floor: float = 0.0) -> float:
+    """``x`` bounded by CLIP times ``expected`` (at least 0: a fitted line may dip below
+    it, and a bound below 0 would feed the fit its own error) plus ``floor``."""
+    return x if expected is None else min(x, CLIP * max(0.0, expected) + floor)
 
 
 def _bucket(rows: int) -> int:
@@ -89,22 +95,34 @@ class DecayedLine:
 
     def record(self, x: float, y: float) -> None:
         g = self.sums
+        if g[0] >= 3:  # a fit to clip against
+            y = _clipped(y, self.predict(x), CLIP_FLOOR)
         for i, v in enumerate((1.0, x, y, x * x, x * y)):
             g[i] = DECAY * g[i] + v
+
+    def _slope(self) -> Optional[float]:
+        """``b`` (clamped at 0), None where the x seen do not spread enough to fit."""
+        n, sx, sy, sxx, sxy = self.sums
+        den = n * sxx - sx * sx
+        return None if den <= 1e-9 * max(1.0, n * sxx) else max(0.0, (n * sxy - sx * sy) / den)
+
+    def predict(self, x: float) -> Optional[float]:
+        """``a + b x`` as fitted (the mean where it cannot fit), None before the first sample."""
+        n, sx, sy = self.sums[:3]
+        if n <= 0:
+            return None
+        b = self._slope() or 0.0
+        return (sy - b * sx) / n + b * x
 
     @property
     def intercept(self) -> Optional[float]:
         """``a`` clamped to [0, mean]; the mean itself where the x seen do not spread enough to
         fit (all of it then counts as fixed), None before the first sample."""
-        n, sx, sy, sxx, sxy = self.sums
+        n, sx, sy = self.sums[:3]
         if n <= 0:
             return None
-        mean = sy / n
-        den = n * sxx - sx * sx
-        if den <= 1e-9 * max(1.0, n * sxx):
-            return mean
-        slope = max(0.0, (n * sxy - sx * sy) / den)
-        return min(mean, max(0.0, (sy - slope * sx) / n))
+        b = self._slope()
+        return sy / n if b is None else min(sy / n, max(0.0, (sy - b * sx) / n))
 
 
 @dataclass
@@ -115,12 +133,12 @@ class ChunkCosts:
     block weighs by its rows)."""
 
     # the gateway's time to send one (after its gather), by size (half-octave buckets:
-    # [decayed seconds, decayed count]). Over tcp a send copies what the socket takes at
-    # once: its time grows with the rows up to the socket's buffer, then stays flat, and
-    # that copy is paid whole or chunked alike. No line fits that; the smallest messages'
-    # time bounds the fixed part from above (see send_s).
+    # the last SAMPLES). Over tcp a send copies what the socket takes at once: its time
+    # grows with the rows up to the socket's buffer, then stays flat, and that copy is paid
+    # whole or chunked alike. No line fits that; each size's time bounds the fixed part
+    # from above (see send_s).
     send: dict = field(default_factory=dict)
-    serve_s: Optional[float] = None  # the worker's time on one outside its compute
+    serve: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))  # the worker's time on one outside its compute
     # the worker's time between replying to one chunk and taking the next one, already
     # sent: its reply's send, its loop, and its own copying of bytes where the transport
     # makes it copy (tcp: growing with the rows)
@@ -140,12 +158,16 @@ class ChunkCosts:
 
     @property
     def send_s(self) -> Optional[float]:
-        """The fixed part of the gateway's send: the mean time of the smallest messages
-        measured (at most: they copy the fewest bytes), None before the first."""
+        """The fixed part of the gateway's send: at most any size's median time (the
+        smallest messages' as a rule: they copy the fewest bytes), None before the first."""
         if not self.send:
             return None
-        s, n = self.send[min(self.send)]
-        return s / n
+        return min(statistics.median(q) for q in self.send.values())
+
+    @property
+    def serve_s(self) -> Optional[float]:
+        """The worker's median time on one message outside its compute."""
+        return statistics.median(self.serve) if self.serve else None
 
     @property
     def gap_s(self) -> Optional[float]:
@@ -167,12 +189,11 @@ class ChunkCosts:
 
     def record_send(self, seconds: float, rows: int = 1) -> None:
         if seconds >= 0 and rows > 0:
-            acc = self.send.setdefault(_bucket(rows), [0.0, 0.0])
-            acc[0] = DECAY * acc[0] + seconds
-            acc[1] = DECAY * acc[1] + 1.0
+            self.send.setdefault(_bucket(rows), deque(maxlen=SAMPLES)).append(seconds)
 
     def record_serve(self, seconds: float) -> None:
-        self.serve_s = _decayed(self.serve_s, seconds)
+        if seconds >= 0:
+            self.serve.append(seconds)
 
     def record_gap(self, seconds: float, rows: int) -> None:
         if 0.0 <= seconds < 1.0 and rows > 0:  # else a worker clock from elsewhere, or a stop
@@ -193,6 +214,8 @@ class ChunkCosts:
         if rows <= 0 or seconds < 0:
             return
         acc = self.per_row.setdefault(_bucket(rows), [0.0, 0.0])
+        if acc[1] > 0:
+            seconds = _clipped(seconds, rows * acc[0] / acc[1])
         acc[0] = DECAY * acc[0] + seconds
         acc[1] = DECAY * acc[1] + rows
 

@@ -99,6 +99,47 @@ def test_idle_time_is_the_median_of_recent_whole_rounds():
     assert c.idle_s == pytest.approx(12e-3)
 
 
+def test_one_stall_does_not_make_messages_or_a_size_look_dear():
+    """A stall (a page-fault storm, a descheduled process) in one sample must not size the
+    chunks after it: auto stops sending what looks dear, and so would never measure it
+    again. Measured here: one 130 ms gap took a tcp worker's message cost from 1 ms to
+    17 ms, and every round after went whole."""
+    c = ChunkCosts()
+    for _ in range(10):
+        for rows in (128, 512, 2048):
+            c.record_send(100e-6 + rows * 1e-7, rows)
+            c.record_serve(20e-6)
+            c.record_gap(200e-6 + rows * 1e-7, rows)
+            c.record_compute(rows, rows * 12e-6)
+    before, spr = c.msg_s, c.seconds_per_row(512)
+    c.record_send(0.13, 128)
+    c.record_serve(0.13)
+    c.record_gap(0.13, 128)
+    c.record_compute(512, 0.13 * 512)
+    assert c.msg_s < before + 0.3e-3  # a decayed mean would have gained 13 ms a term
+    assert c.seconds_per_row(512) < spr * 1.2
+    # a lasting change is followed: every send, gap and product now twice as long
+    for _ in range(30):
+        for rows in (128, 512, 2048):
+            c.record_send(2 * (100e-6 + rows * 1e-7), rows)
+            c.record_serve(40e-6)
+            c.record_gap(2 * (200e-6 + rows * 1e-7), rows)
+            c.record_compute(rows, rows * 24e-6)
+    assert c.msg_s == pytest.approx(2 * (100e-6 + 128e-7) + 40e-6 + 2 * 200e-6, rel=0.05)
+    assert c.seconds_per_row(512) == pytest.approx(24e-6, rel=0.05)
+
+
+def test_clipped_gaps_never_drive_the_fit_below_zero():
+    """Clipping against a fitted line that dips below zero (a steep slope, small rows) must
+    not feed the fit negative samples: it diverged so once, by doubling every round."""
+    c = ChunkCosts()
+    for _ in range(50):
+        for rows, y in ((2048, 2e-3), (4096, 10e-3), (128, 0.0)):  # the line is -5.5 ms at 128 rows
+            c.record_gap(y, rows)
+            assert c.gap.predict(128) is not None and c.gap_s >= 0.0
+    assert c.gap.sums[2] >= 0.0 and 0.0 <= c.gap_s < 1e-3
+
+
 def test_costs_decay_toward_new_measurements():
     c = ChunkCosts()
     for _ in range(100):
