@@ -143,9 +143,11 @@ class ChunkCosts:
     # sent: its reply's send, its loop, and its own copying of bytes where the transport
     # makes it copy (tcp: growing with the rows)
     gap: DecayedLine = field(default_factory=DecayedLine)
-    # its time with no token to compute in the last SAMPLES rounds sent whole: a median, as
-    # a worker's first rounds (its slots' pages touched for the first time) run 2-3x that
-    # and a decayed mean carried them long after, auto then sending few rounds whole
+    # its time with no token to compute in the last SAMPLES rounds sent whole. A worker's
+    # first rounds (its slots' pages touched for the first time) ran 2-15x the rest here,
+    # and once auto chunks only its probes go whole: a mean, or a median, carried the
+    # first rounds for a hundred rounds. A stall only ever lengthens a round: the least
+    # of them is the estimate (idle_s)
     idle: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
     per_row: dict = field(default_factory=dict)  # bucket -> [decayed seconds, decayed rows]
 
@@ -207,8 +209,8 @@ class ChunkCosts:
 
     @property
     def idle_s(self) -> Optional[float]:
-        """The median no-token time of the last rounds sent whole, None before the first."""
-        return statistics.median(self.idle) if self.idle else None
+        """The least no-token time of the last rounds sent whole, None before the first."""
+        return min(self.idle) if self.idle else None
 
     def record_compute(self, rows: int, seconds: float) -> None:
         if rows <= 0 or seconds < 0:
@@ -227,13 +229,6 @@ class ChunkCosts:
         near = min(self.per_row, key=lambda k: (abs(k - b), -k))
         s, n = self.per_row[near]
         return s / n if n > 0 else None
-
-
-def choose_chunk_rows(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
-                      groups: Optional[Sequence[Sequence[int]]] = None) -> int:
-    """Rows per chunk for a part of ``rows`` rows (``rows`` itself: one message); the size
-    :func:`choose_chunks` picks."""
-    return choose_chunks(rows, setting, costs, groups)[0]
 
 
 def choose_chunks(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
@@ -420,7 +415,7 @@ def chunk_groups(groups: Sequence[Sequence[int]], lo: int, hi: int) -> list[tupl
 
 class ChunkMode:
     """Whether auto chunks at all: decided from what rounds cost, measured, not modelled.
-    The size model (:func:`choose_chunk_rows`) cannot see everything chunks cost, e.g.
+    The size model (:func:`choose_chunks`) cannot see everything chunks cost, e.g.
     three busy processes on two cores, where the gateway's work on replies as they land
     takes a core from a computing worker. So it is asked once per round the size model
     would chunk (only those: a round too small to chunk costs more per row, and counting it

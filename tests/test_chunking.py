@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.chunking import MIN_CHUNK, ChunkCosts, choose_chunk_rows, chunk_groups, parse_chunk_rows, part_bounds
+from gateway.chunking import MIN_CHUNK, ChunkCosts, choose_chunks, chunk_groups, parse_chunk_rows, part_bounds
 from gateway.dispatch import DispatchPlan
 from workers import bf16
 
@@ -26,12 +26,12 @@ def test_parse_chunk_rows_refuses(value):
 
 
 def test_fixed_sizes():
-    assert choose_chunk_rows(100, 0, None) == 100  # off: one message
-    assert choose_chunk_rows(100, 7, None) == 7
-    assert choose_chunk_rows(100, 100, None) == 100
-    assert choose_chunk_rows(100, 500, None) == 100
-    assert choose_chunk_rows(1, 7, None) == 1
-    assert choose_chunk_rows(0, 7, None) == 0
+    assert choose_chunks(100, 0, None)[0] == 100  # off: one message
+    assert choose_chunks(100, 7, None)[0] == 7
+    assert choose_chunks(100, 100, None)[0] == 100
+    assert choose_chunks(100, 500, None)[0] == 100
+    assert choose_chunks(1, 7, None)[0] == 1
+    assert choose_chunks(0, 7, None)[0] == 0
 
 
 def _costs(msg_s, per_row: dict, idle_s=None) -> ChunkCosts:
@@ -46,12 +46,12 @@ def _costs(msg_s, per_row: dict, idle_s=None) -> ChunkCosts:
 
 
 def test_auto_needs_measurements():
-    assert choose_chunk_rows(1024, "auto", None) == 1024
-    assert choose_chunk_rows(1024, "auto", ChunkCosts()) == 1024
+    assert choose_chunks(1024, "auto", None)[0] == 1024
+    assert choose_chunks(1024, "auto", ChunkCosts())[0] == 1024
     c = ChunkCosts()
     c.record_compute(1024, 0.1)  # a compute rate but no message cost nor idle time yet
-    assert choose_chunk_rows(1024, "auto", c) == 1024
-    assert choose_chunk_rows(1024, "auto", _costs(50e-6, {1024: 1e-3})) == 1024  # no idle time measured
+    assert choose_chunks(1024, "auto", c)[0] == 1024
+    assert choose_chunks(1024, "auto", _costs(50e-6, {1024: 1e-3}))[0] == 1024  # no idle time measured
 
 
 def _net(c, rows, idle, msg, spr_c, whole):
@@ -63,7 +63,7 @@ def test_auto_takes_the_size_whose_saving_beats_its_cost_most():
     # 1 ms a row over 1024 rows (1.02 s of compute), 100 ms idle a round, 1 ms a message,
     # every size as fast per row: the saving idle*(1-1/n) grows with n, messages cost n ms
     rows, idle, msg = 1024, 0.1, 1e-3
-    got = choose_chunk_rows(rows, "auto", _costs(msg, {rows: 1e-3}, idle))
+    got = choose_chunks(rows, "auto", _costs(msg, {rows: 1e-3}, idle))[0]
     sizes = [MIN_CHUNK * 2 ** i for i in range(6) if MIN_CHUNK * 2 ** i * 2 <= rows]
     assert got == max(sizes, key=lambda c: _net(c, rows, idle, msg, 1e-3, 1e-3))
     assert got == 128  # n = 8: 100 ms * 7/8 - 8 ms, the best of 32 .. 512
@@ -71,32 +71,35 @@ def test_auto_takes_the_size_whose_saving_beats_its_cost_most():
 
 def test_auto_sends_whole_when_the_idle_time_is_small():
     # the busiest worker idles 2 ms of a 200 ms round: no chunking saves 2% of the compute
-    assert choose_chunk_rows(256, "auto", _costs(100e-6, {256: 0.8e-3}, 2e-3)) == 256
+    assert choose_chunks(256, "auto", _costs(100e-6, {256: 0.8e-3}, 2e-3))[0] == 256
 
 
 def test_auto_avoids_sizes_measured_slower_per_row():
     # 32 and 64 rows measured 30% slower per row: their loss beats the saving; 128 is as fast
     costs = _costs(1e-6, {1024: 1e-3, 32: 1.3e-3, 64: 1.3e-3, 128: 1.0e-3}, idle_s=0.2)
-    assert choose_chunk_rows(1024, "auto", costs) == 128
+    assert choose_chunks(1024, "auto", costs)[0] == 128
     # every smaller size slower: one message
     costs = _costs(1e-6, {1024: 1e-3, 32: 2e-3, 64: 2e-3, 128: 2e-3, 256: 2e-3, 512: 2e-3}, idle_s=0.2)
-    assert choose_chunk_rows(1024, "auto", costs) == 1024
+    assert choose_chunks(1024, "auto", costs)[0] == 1024
 
 
-def test_idle_time_is_the_median_of_recent_whole_rounds():
+def test_idle_time_is_the_least_of_recent_whole_rounds():
     """A worker's first rounds (its slots touched for the first time) run far longer than
-    the rest: they must not size the chunks of the rounds after them."""
+    the rest, and once auto chunks only its probes go whole: the first rounds must not size
+    the chunks of the rounds after them."""
     from gateway.chunking import SAMPLES
     c = ChunkCosts()
     assert c.idle_s is None
-    for s in (40e-3, 35e-3, 30e-3):  # warming up
+    for s in (0.36, 0.05, 0.55, 0.45):  # warming up (measured: 51-550 ms against 29 ms after)
         c.record_idle(s)
-    assert c.idle_s == pytest.approx(35e-3)
-    for _ in range(SAMPLES // 2 + 1):
-        c.record_idle(12e-3)
-    assert c.idle_s == pytest.approx(12e-3)  # a mean decaying by 0.9 a round would still say 28 ms
+    assert c.idle_s == pytest.approx(0.05)
+    c.record_idle(0.029)  # the first probe after: a median would need half the window
+    assert c.idle_s == pytest.approx(0.029)
     c.record_idle(-1.0)  # a clock gone backwards is not a sample
-    assert c.idle_s == pytest.approx(12e-3)
+    assert c.idle_s == pytest.approx(0.029)
+    for _ in range(SAMPLES):  # a lasting rise is followed once the window has passed
+        c.record_idle(0.04)
+    assert c.idle_s == pytest.approx(0.04)
 
 
 def test_one_stall_does_not_make_messages_or_a_size_look_dear():
@@ -307,7 +310,7 @@ def test_auto_with_groups_counts_split_messages_and_exposed_edges():
     """With the part's groups, auto weighs the messages split_part really makes and what
     stays exposed (the ramps' first and last chunks), not n equal chunks, over the sizes and
     the edges it may start the ramps from."""
-    from gateway.chunking import EDGE, choose_chunks, split_part
+    from gateway.chunking import EDGE, split_part
     groups = _groups([1024] * 8)
     flat = {r: 1e-5 for r in (8192, 4096, 2048, 1024, 512, 256, 128, 64, 32)}  # no compute lost
     assert len(split_part(groups, 8192, 4096)) - 1 == 10
@@ -327,13 +330,13 @@ def test_auto_with_groups_counts_split_messages_and_exposed_edges():
     # 4096 a chunk from 128-row edges: 12 messages, 1/64 exposed; at 1/EDGE: 10, 1/16
     assert choose_chunks(8192, "auto", _costs(0.4e-3, flat, 30e-3), groups) == (4096, 128)
     assert choose_chunks(8192, "auto", _costs(1e-3, flat, 30e-3), groups) == (4096, 4096 // EDGE)  # dearer: shorter ramps
-    assert choose_chunk_rows(8192, "auto", _costs(10e-3, flat, 30e-3), groups) == 8192  # dear ones: whole
+    assert choose_chunks(8192, "auto", _costs(10e-3, flat, 30e-3), groups)[0] == 8192  # dear ones: whole
 
 
 def test_auto_keeps_edges_whose_small_products_run_slow():
     """A small edge exposes less, but its products (and its ramp's) may run slower per row:
     that compute is counted per chunk, at the rate measured at the chunk's size."""
-    from gateway.chunking import EDGE, choose_chunks
+    from gateway.chunking import EDGE
     groups = _groups([1024] * 8)
     fast = {r: 1e-5 for r in (8192, 4096, 2048, 1024, 512, 256, 128, 64, 32)}
     assert choose_chunks(8192, "auto", _costs(0.4e-3, fast, 30e-3), groups)[1] < 4096 // EDGE
@@ -343,7 +346,7 @@ def test_auto_keeps_edges_whose_small_products_run_slow():
 
 
 def test_fixed_sizes_keep_the_default_edge():
-    from gateway.chunking import EDGE, choose_chunks
+    from gateway.chunking import EDGE
     assert choose_chunks(8192, 2048, None) == (2048, 2048 // EDGE)
     assert choose_chunks(8192, 0, None) == (8192, 8192 // EDGE)
 

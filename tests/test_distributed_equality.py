@@ -204,16 +204,16 @@ def test_round_timed_to_its_last_combine(backend):
         assert len(timed) == stats.workers and all(idle >= stats.combine_s > 0 for idle in timed)
         # a round not combined yet is not timed yet
         from gateway.rounds import Request
-        before = [w.chunk_costs.idle_s for w in pool.workers]
+        before = [len(w.chunk_costs.idle) for w in pool.workers]  # samples taken
         req = Request(tokens(MAX_BATCH, 4))
         pool.rounds.dispatch([req])
         deadline = time.monotonic() + 30
         while not req.finished and time.monotonic() < deadline:
             pool.loop.run_once(timeout=0.05)
-        assert req.finished and [w.chunk_costs.idle_s for w in pool.workers] == before
+        assert req.finished and [len(w.chunk_costs.idle) for w in pool.workers] == before
         req.combine(np.empty((MAX_BATCH, D), np.float32))
         req.release()
-        assert [w.chunk_costs.idle_s for w in pool.workers] != before
+        assert [len(w.chunk_costs.idle) for w in pool.workers] == [n + 1 for n in before]
 
 
 @pytest.mark.parametrize("chunk_rows", [0, 5], ids=["one-message", "chunks-5"])
