@@ -422,13 +422,17 @@ class ChunkMode:
     on the whole side would flatter chunks), and those of them alone in flight are timed per
     row, whole and chunked. After WARMUP whole rounds, every other measurable round (none
     other in flight when it goes) goes chunked until PROBES are measured; then the way whose
-    median of the last SAMPLES is cheaper by MODE_MARGIN is taken (a median: one slow round
-    on a shared machine must not flip it), the other tried again one measurable round in
+    lower quartile of the last SAMPLES is cheaper by MODE_MARGIN is taken, the other tried
+    again one measurable round in
     PROBE_EVERY, and in twice as many after each probe that left the choice as it was (up
     to MAX_PROBE_EVERY: a settled choice stops paying for probes; a flip starts over at
     PROBE_EVERY). Until both ways are measured a round that cannot be measured goes whole:
     under load few rounds are alone, and probing with rounds nobody can time would chunk
-    half of them blind."""
+    half of them blind. A lower quartile, not a median: a stall only ever lengthens a
+    round, and the first rounds to write a slot's pages stall, here at 2-5x, whichever way
+    they went (a whole round after chunked ones writes the pages past the chunks). With a
+    median, two stalled probes of three kept parts whole at 8192 tokens over tcp in four
+    runs of five; one slow round, or two, still flips nothing."""
 
     def __init__(self) -> None:
         self.samples: dict = {False: deque(maxlen=SAMPLES), True: deque(maxlen=SAMPLES)}  # chunked? -> s/row
@@ -445,8 +449,9 @@ class ChunkMode:
             self.rounds += 1
 
     def per_row(self, chunked: bool) -> Optional[float]:
+        """The lower quartile of the last SAMPLES rounds' seconds per row, that way."""
         got = sorted(self.samples[chunked])
-        return got[len(got) // 2] if got else None
+        return got[len(got) // 4] if got else None
 
     def want_chunks(self, measurable: bool = True) -> bool:
         """For one round the size model would chunk: chunk it? ``measurable``: no other
@@ -470,7 +475,7 @@ class ChunkMode:
         return not better
 
     def snapshot(self) -> dict:
-        """What the choice stands on: rounds asked about and measured, and the medians per
-        row (seconds), whole and chunked (a gateway's config shows it)."""
+        """What the choice stands on: rounds asked about and measured, and the lower
+        quartiles per row (seconds), whole and chunked (a gateway's config shows it)."""
         return {"asked": self.asked, "measured": self.rounds,
                 "whole_s_per_row": self.per_row(False), "chunked_s_per_row": self.per_row(True)}

@@ -492,6 +492,21 @@ def test_chunk_mode_measures_both_ways_and_keeps_the_cheaper():
     assert snap["asked"] == m2.asked and snap["chunked_s_per_row"] < snap["whole_s_per_row"]
 
 
+def test_chunk_mode_sees_through_stalled_probes():
+    """The first rounds to write a slot's pages stall (2-5x here), whichever way they go: two
+    stalled probes of three must not keep parts whole when chunks are cheaper (measured at
+    8192 tokens over tcp: whole 16.3-17.4 us a row, with stalls of 60 and 89; chunked 13.6,
+    with stalls of 29 and 25)."""
+    from gateway.chunking import WARMUP, ChunkMode
+    m = ChunkMode()
+    for s in (16.74, 16.64, 17.43, 17.39, 16.27)[:WARMUP + 1]:
+        m.record(False, s * 1e-6, 1)
+    for chunked, s in ((True, 29.36), (False, 60.40), (True, 13.58), (False, 89.18), (True, 25.15)):
+        m.record(chunked, s * 1e-6, 1)
+    assert m.want_chunks(measurable=False)  # chunks cheaper: even unmeasurable rounds go chunked
+    assert m.per_row(True) == pytest.approx(13.58e-6)
+
+
 def test_chunk_mode_probes_less_while_the_choice_holds_and_again_when_it_flips():
     """A probe costs a round the dearer way: while probes leave the choice as it was the
     interval doubles (to MAX_PROBE_EVERY); once the measured medians flip it, it starts
