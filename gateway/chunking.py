@@ -254,12 +254,11 @@ def choose_chunks(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
         c = int(setting)
         c = rows if c <= 0 or c >= rows else c
         return c, c // EDGE
-    if costs is None or costs.msg_s is None or costs.idle_s is None:
+    msg_s = costs.msg_s if costs is not None else None  # (medians of the sizes': read once)
+    idle_s = costs.idle_s if costs is not None else None
+    whole = costs.seconds_per_row(rows) if costs is not None else None
+    if msg_s is None or idle_s is None or not whole:
         return rows, rows
-    whole = costs.seconds_per_row(rows)
-    if not whole:
-        return rows, rows
-    msg_s, idle_s = costs.msg_s, costs.idle_s
     spr: dict = {}  # bucket -> extra compute per row at that size (looked up once a call)
 
     def lost(n: int) -> float:
