@@ -37,6 +37,10 @@ SAMPLES = 8  # the last rounds of each way that the choice looks at
 MODE_MARGIN = 0.05  # chunks are kept only if that much cheaper per row (rounds vary more)
 PROBE_EVERY = 16  # one round in this many goes the other way, so both stay measured...
 MAX_PROBE_EVERY = 256  # ...one in twice as many each time a probe left the choice as it was
+#: a round that took this many minor page faults more than the fewest of the last SAMPLES
+#: rounds wrote fresh memory (1 MiB of 4 KiB pages): its time is a start-up cost, and the
+#: whole-or-chunked choice leaves it out (ChunkMode.record)
+COLD_FAULTS = 256
 MAX_CHUNKS = 64  # auto's smallest size tried cuts a part in at most this many
 EDGE = 8  # a part's first and last chunks are at most 1/EDGE of the size, ramping up (see split_part)
 MIN_PIECE = 128  # rows below which cutting a group for a ramp's chunk costs more than it hides
@@ -125,6 +129,22 @@ class DecayedLine:
         return sy / n if b is None else min(sy / n, max(0.0, (sy - b * sx) / n))
 
 
+class ColdFilter:
+    """Tells samples taken while fresh memory was written (a new slot's pages, a first large
+    batch) from the steady state, by the minor page faults each took: COLD_FAULTS more than
+    the fewest of the last SAMPLES is cold. Faults every sample alike are the baseline; the
+    first sample has nothing to compare with and counts."""
+
+    def __init__(self) -> None:
+        self._recent: deque = deque(maxlen=SAMPLES)
+
+    def cold(self, faults: int) -> bool:
+        """Whether a sample that took ``faults`` is cold (and remember it)."""
+        got = bool(self._recent) and faults > min(self._recent) + COLD_FAULTS
+        self._recent.append(faults)
+        return got
+
+
 @dataclass
 class ChunkCosts:
     """What one worker costs, measured from its replies: the fixed cost of one message
@@ -150,6 +170,10 @@ class ChunkCosts:
     # of them is the estimate (idle_s)
     idle: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
     per_row: dict = field(default_factory=dict)  # bucket -> [decayed seconds, decayed rows]
+    # the worker's minor page faults per reply: a reply that wrote fresh memory (2 us a page
+    # in a VM) measures that, not its compute or its gap, and a first probe's stalled gap
+    # once priced messages so high that auto never chunked again (see cold_reply)
+    faults: ColdFilter = field(default_factory=ColdFilter)
 
     @property
     def msg_s(self) -> Optional[float]:
@@ -188,6 +212,11 @@ class ChunkCosts:
         if not c or not self.idle_s or rows <= 0:
             return 2.0
         return min(float(EDGE), max(2.0, c * 2 * rows / self.idle_s))
+
+    def cold_reply(self, faults: int) -> bool:
+        """Whether a reply whose worker took ``faults`` minor page faults since its last is
+        cold: its compute, its time outside it and its gap are then not recorded."""
+        return self.faults.cold(faults)
 
     def record_send(self, seconds: float, rows: int = 1) -> None:
         if seconds >= 0 and rows > 0:
@@ -431,7 +460,16 @@ class ChunkMode:
     round, and the first rounds to write a slot's pages stall, here at 2-5x, whichever way
     they went (a whole round after chunked ones writes the pages past the chunks). With a
     median, two stalled probes of three kept parts whole at 8192 tokens over tcp in four
-    runs of five; one slow round, or two, still flips nothing."""
+    runs of five; one slow round, or two, still flips nothing.
+
+    A round's time is not taken at all when it faulted in fresh memory: COLD_FAULTS minor
+    page faults more than the fewest of the last SAMPLES rounds (both ways), counted in the
+    gateway and, from their replies, its workers. All three probes of a warm-up can stall
+    that way (8192 tokens over tcp: each probe wrote pages of slots no round had used, at
+    ~2 us a page in a VM, and cost 1.5-2x per row), and a lower quartile cannot see past
+    three. So probing goes on until PROBES warm rounds are in. A way whose rounds keep
+    faulting (its steady state, not a start-up) is taken as it is after SAMPLES cold rounds
+    in a row."""
 
     def __init__(self) -> None:
         self.samples: dict = {False: deque(maxlen=SAMPLES), True: deque(maxlen=SAMPLES)}  # chunked? -> s/row
@@ -441,11 +479,30 @@ class ChunkMode:
         self.probe_every = PROBE_EVERY  # measurable rounds from one probe to the next
         self._until_probe = PROBE_EVERY
         self._kept: Optional[bool] = None  # the way chosen when the last probe went
+        self._faults = ColdFilter()  # the last rounds' minor page faults, both ways
+        self._cold_run = {False: 0, True: 0}  # cold rounds in a row, each way
+        self.cold = 0  # rounds left out as cold
 
-    def record(self, chunked: bool, seconds: float, rows: int) -> None:
-        if rows > 0 and seconds >= 0:
-            self.samples[chunked].append(seconds / rows)
-            self.rounds += 1
+    def record(self, chunked: bool, seconds: float, rows: int, faults: Optional[int] = None) -> None:
+        """One round's time for ``rows`` rows, whole or ``chunked``; ``faults``: the minor
+        page faults it took (None: not known, never cold)."""
+        if rows <= 0 or seconds < 0:
+            return
+        if faults is not None:
+            cold = self._faults.cold(faults)
+            if cold and self._cold_run[chunked] < SAMPLES:
+                self._cold_run[chunked] += 1
+                self.cold += 1
+                return
+            if not cold:
+                self._cold_run[chunked] = 0
+        self.samples[chunked].append(seconds / rows)
+        self.rounds += 1
+
+    @property
+    def settled(self) -> bool:
+        """Both ways measured: the warm-up and the first probes are behind."""
+        return len(self.samples[False]) >= WARMUP and len(self.samples[True]) >= PROBES
 
     def per_row(self, chunked: bool) -> Optional[float]:
         """The lower quartile of the last SAMPLES rounds' seconds per row, that way."""
@@ -476,5 +533,5 @@ class ChunkMode:
     def snapshot(self) -> dict:
         """What the choice stands on: rounds asked about and measured, and the lower
         quartiles per row (seconds), whole and chunked (a gateway's config shows it)."""
-        return {"asked": self.asked, "measured": self.rounds,
+        return {"asked": self.asked, "measured": self.rounds, "cold": self.cold, "settled": self.settled,
                 "whole_s_per_row": self.per_row(False), "chunked_s_per_row": self.per_row(True)}

@@ -162,6 +162,12 @@ class WorkerPool:
     def stats(self) -> list[dict]:
         return [w.as_dict() for w in self.workers]
 
+    def chunk_choice(self) -> dict:
+        """What auto's whole-or-chunked choice stands on (ChunkMode.snapshot): rounds asked
+        about, measured and left out as cold, whether both ways are measured yet, and the
+        lower quartiles per row."""
+        return self.rounds.chunk_mode.snapshot()
+
     def replication(self) -> int:
         """The most workers hosting one expert (1: no replica to choose between)."""
         return max((sum(1 for w in self.workers if e in w.experts) for e in range(self.n_experts)), default=0)

@@ -32,6 +32,7 @@ of requests of several layers goes out as one round per layer, all sent before a
 from __future__ import annotations
 
 import logging
+import resource
 import time
 from bisect import bisect_left, bisect_right
 from collections import deque
@@ -195,6 +196,8 @@ class Round:
         self.on_combined: Optional[Callable[["Round", float], None]] = None
         self.to_combine = 0
         self.stats = BatchStats(requests=len(requests))
+        self.worker_faults = 0  # minor page faults its workers' replies said they took
+        self._faults0 = minor_faults()
         self._t0 = time.perf_counter()
         self.sent_at = self._t0
         self.started = time.monotonic()
@@ -206,6 +209,13 @@ class Round:
             if self.to_combine <= 0:
                 done, self.on_combined = self.on_combined, None
                 done(self, time.perf_counter() - self._t0)
+
+    @property
+    def faults(self) -> int:
+        """Minor page faults taken while it was out, here and (as their replies said) on its
+        workers: a round that wrote fresh memory (a new slot's pages, a first large batch)
+        pays for it, once, in its time."""
+        return minor_faults() - self._faults0 + self.worker_faults
 
     def detach(self, req: Request) -> None:
         for w in req.bases:
@@ -616,10 +626,15 @@ class RoundBook:
         w.compute_seconds += cs
         w.record_compute(cs, rows)
         w.cpu_s = float(h.get("cpu_s", w.cpu_s))
+        faults = w.faults_since(h.get("flt"))
+        rnd.worker_faults += faults
         busy = _duration(h, cs)
-        w.chunk_costs.record_compute(rows, cs)
-        w.chunk_costs.record_serve(busy - cs)
-        self._record_gap(rnd, w, c, h)
+        if not w.chunk_costs.cold_reply(faults):
+            w.chunk_costs.record_compute(rows, cs)
+            w.chunk_costs.record_serve(busy - cs)
+            self._record_gap(rnd, w, c, h)
+        else:
+            self._record_gap(rnd, w, c, h, measure=False)
         st = rnd.stats
         rnd.compute[w.index] = rnd.compute.get(w.index, 0.0) + cs
         rnd.busy[w.index] = rnd.busy.get(w.index, 0.0) + busy
@@ -652,16 +667,18 @@ class RoundBook:
             self.pump()  # its reply returned a credit
 
     @staticmethod
-    def _record_gap(rnd: Round, w: WorkerLink, c: int, h: dict) -> None:
+    def _record_gap(rnd: Round, w: WorkerLink, c: int, h: dict, measure: bool = True) -> None:
         """The worker's time from replying to chunk c - 1 to taking chunk c, when chunk c
-        was already sent as that reply came (each clock compared only with itself)."""
+        was already sent as that reply came (each clock compared only with itself).
+        ``measure`` False: only note this reply's clocks, for the next chunk's gap."""
         t_in, t_out = h.get("t_in"), h.get("t_out")
         prev = rnd.last_reply.get(w.index)
         now = time.perf_counter()
         if isinstance(t_out, float):
             rnd.last_reply[w.index] = (t_out, now)
         sent = rnd.sent_t.get((w.index, c))
-        if prev is not None and sent is not None and isinstance(t_in, float) and sent < prev[1] and t_in >= prev[0]:
+        if measure and prev is not None and sent is not None and isinstance(t_in, float) and sent < prev[1] \
+                and t_in >= prev[0]:
             lo, hi = rnd.chunk_bounds(w.index, c)
             w.chunk_costs.record_gap(t_in - prev[0], hi - lo)
 
@@ -748,7 +765,7 @@ class RoundBook:
             if len(rnd.bounds[wi]) == 2:
                 self.workers[wi].chunk_costs.record_idle(max(0.0, seconds - busy))
         if rnd.eligible:
-            self.chunk_mode.record(rnd.chunked, seconds, sum(rnd.rows.values()))
+            self.chunk_mode.record(rnd.chunked, seconds, sum(rnd.rows.values()), rnd.faults)
 
     # -- what the owner takes --------------------------------------------------------------------
     def take_finished(self) -> list[Request]:
@@ -816,6 +833,11 @@ _LATER = object()  # _send_chunk: the connection cannot take it yet, but will
 def _needs(req: Request, w_index: int) -> bool:
     """Whether ``req`` still waits for a chunk of worker ``w_index``."""
     return any(k[0] == w_index for k in req.waiting)
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _duration(h: dict, compute_s: float) -> float:

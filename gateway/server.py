@@ -270,7 +270,7 @@ class GatewayServer:
                            "batching": self.batcher.policy, "balancing": pool.rounds.balancing,
                            "chunk_rows": pool.rounds.chunk_rows,
                            # auto: what rounds alone in flight cost per row, whole and chunked
-                           "chunk_costs": pool.rounds.chunk_mode.snapshot(),
+                           "chunk_costs": pool.chunk_choice(),
                            "replicas": pool.replication(),
                            "n_experts": pool.n_experts, "top_k": pool.router.top_k,
                            "d_model": pool.d_model, "dtype": P.dtype_name(pool.dtype),

@@ -136,6 +136,7 @@ class WorkerLink:
     compute_seconds: float = 0.0
     expert_rows: dict = field(default_factory=dict)  # (layer, expert_id) -> rows sent
     cpu_s: float = 0.0  # the worker process's CPU seconds, as its last reply said
+    faults: Optional[int] = None  # the worker process's minor page faults, as its last reply said
     seconds_per_row: Optional[float] = None  # its compute per row (cost_seconds / cost_rows)
     cost_seconds: float = 0.0  # decayed sums of the compute its replies reported ...
     cost_rows: float = 0.0  # ... and of their rows
@@ -161,6 +162,16 @@ class WorkerLink:
         self.cost_seconds = 0.9 * self.cost_seconds + seconds
         self.cost_rows = 0.9 * self.cost_rows + rows
         self.seconds_per_row = self.cost_seconds / self.cost_rows
+
+    def faults_since(self, flt: Any) -> int:
+        """The minor page faults the worker took since its last reply, from a reply's
+        ``flt`` (its count so far); 0 when the reply does not say. A count below the last
+        one is a restarted worker's: it counts from zero. The first reply counts all of it
+        (a worker's first rounds are its start-up)."""
+        if not isinstance(flt, int) or isinstance(flt, bool) or flt < 0:
+            return 0
+        last, self.faults = self.faults, flt
+        return flt if last is None or flt < last else flt - last
 
     def hosts(self, expert: int, layer: int = P.DEFAULT_LAYER) -> bool:
         ids = self.layers.get(layer)

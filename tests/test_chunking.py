@@ -557,3 +557,89 @@ def test_chunk_mode_probes_only_with_rounds_it_can_measure():
     for _ in range(PROBES):
         m2.record(True, 0.04, 500)
     assert all(m2.want_chunks(measurable=False) for _ in range(100))
+
+
+# measured at 8192 tokens over tcp, one worker (minor page faults of the gateway and the
+# worker per round, and us per row): the whole warm-up rounds are warm; all three probes,
+# and the whole rounds between them, write pages of slots no round had used
+_WARM_WHOLE = [(16.74, 690), (16.64, 545), (17.43, 640), (17.39, 528)]
+_COLD_PROBES = [(True, 29.36, 16912), (False, 60.40, 42903), (True, 25.15, 5285), (False, 89.18, 10579),
+                (True, 31.02, 5421)]
+_WARM_PROBES = [(True, 13.58, 528), (False, 16.92, 528), (True, 13.91, 529), (False, 17.05, 528),
+                (True, 13.66, 528)]
+
+
+def _replay(m, rounds, faults=True):
+    for chunked, us, flt in rounds:
+        m.record(chunked, us * 1e-6, 1, flt if faults else None)
+
+
+def test_chunk_mode_leaves_out_rounds_that_faulted_in_fresh_memory():
+    """All three warm-up probes stalled on fresh slot pages: their times (and the stalled
+    whole rounds') are left out, probing goes on, and the warm probes that follow decide.
+    The same times without the fault counts keep parts whole: the stalls decide there."""
+    from gateway.chunking import PROBES, WARMUP, ChunkMode
+    m = ChunkMode()
+    _replay(m, [(False, us, flt) for us, flt in _WARM_WHOLE][:WARMUP])
+    _replay(m, _COLD_PROBES)
+    assert m.cold == len(_COLD_PROBES) and not m.settled
+    assert m.want_chunks() != m.want_chunks()  # still probing: every other measurable round
+    _replay(m, _WARM_PROBES)
+    assert m.settled and len(m.samples[True]) == PROBES
+    assert m.want_chunks(measurable=False) and m.per_row(True) == pytest.approx(13.58e-6)
+    assert m.snapshot()["cold"] == len(_COLD_PROBES) and m.snapshot()["settled"]
+
+    blind = ChunkMode()
+    _replay(blind, [(False, us, flt) for us, flt in _WARM_WHOLE][:WARMUP], faults=False)
+    _replay(blind, _COLD_PROBES, faults=False)
+    assert blind.settled and not blind.want_chunks(measurable=False)
+
+
+def test_chunk_mode_takes_a_steady_fault_rate_as_the_baseline():
+    """Faults every round alike (the gateway's fresh output array, 528 here, each round) are
+    the steady state: nothing is left out."""
+    from gateway.chunking import ChunkMode
+    m = ChunkMode()
+    _replay(m, [(i % 2 == 1, 15.0, 528 + (i % 3)) for i in range(12)])
+    assert m.cold == 0 and m.rounds == 12
+
+
+def test_chunk_mode_takes_a_way_that_always_faults_after_a_run_of_cold_rounds():
+    """A way whose every round faults is that way's cost, not a start-up: after SAMPLES cold
+    rounds in a row its rounds count, and keep counting until one is warm again."""
+    from gateway.chunking import SAMPLES, WARMUP, ChunkMode
+    m = ChunkMode()
+    _replay(m, [(False, 15.0, 0)] * WARMUP)
+    for i in range(SAMPLES):
+        m.record(True, 20e-6, 1, 5000)
+        m.record(False, 15e-6, 1, 0)
+    assert m.cold == SAMPLES and not m.samples[True]
+    _replay(m, [(True, 20.0, 5000)] * 3)
+    assert len(m.samples[True]) == 3 and m.settled and not m.want_chunks(measurable=False)
+
+
+def test_worker_fault_counts_are_differences_between_replies():
+    from gateway.workers import WorkerLink
+    w = WorkerLink(index=0, url="tcp://127.0.0.1:1")
+    assert w.faults_since(None) == 0 and w.faults is None  # a reply that does not say
+    assert w.faults_since(1000) == 1000  # the first reply: its start-up
+    assert w.faults_since(1300) == 300
+    for bad in ("7", 2.5, True, -1, [1]):  # not a count: ignored, the last one kept
+        assert w.faults_since(bad) == 0
+    assert w.faults == 1300
+    assert w.faults_since(40) == 40  # fewer than before: a restarted worker, from zero
+    assert w.faults_since(40) == 0
+
+
+def test_a_round_counts_the_faults_it_took_here_and_on_its_workers():
+    from gateway.rounds import Round
+    import mmap
+    rnd = Round(1, [], deadline=0.0)
+    rnd.worker_faults = 7
+    before = rnd.faults
+    assert before >= 7
+    fresh = mmap.mmap(-1, 4 << 20)  # 4 MiB written for the first time: a fault a page (or
+    for off in range(0, len(fresh), 4096):  # one per 2 MiB, with transparent huge pages)
+        fresh[off] = 1
+    assert rnd.faults >= before + 2
+    fresh.close()

@@ -258,3 +258,31 @@ def test_connections_and_control_need_the_secret():
             conn.close()
     finally:
         s.close()
+
+
+def test_replies_that_faulted_in_fresh_memory_are_not_measured():
+    """A reply whose worker says it took COLD_FAULTS page faults more than the fewest of its
+    last SAMPLES replies measured memory being faulted in, not the worker: its compute, its
+    time outside it and its gap are not recorded (gateway/chunking.py). A worker faulting
+    that much on every reply is its steady state: after SAMPLES of them they count again."""
+    from gateway.chunking import COLD_FAULTS, SAMPLES
+    secret = secret_of_session()
+    fw = FakeWorker([0, 1, 2, 3], d_model=D, secret=secret)
+    pool = WorkerPool([fw.url], Router(D, E, K, seed=3), max_batch_tokens=256, timeout=5, connect_timeout=5,
+                      secret=secret, chunk_rows=3)
+    try:
+        costs = pool.workers[0].chunk_costs
+        recorded = []
+        record = costs.record_serve
+        costs.record_serve = lambda s: (recorded.append(s), record(s))
+        fw.fault_step = 10
+        _, st = pool.forward(tokens(17))
+        assert st.messages > SAMPLES and len(recorded) == st.messages  # warm: all measured
+        recorded.clear()
+        fw.fault_step = COLD_FAULTS + 1000  # from here, every reply faults that much
+        _, st = pool.forward(tokens(17, 1))
+        assert len(recorded) == st.messages - SAMPLES
+        assert pool.workers[0].faults == fw.faults
+    finally:
+        pool.close()
+        fw.close()

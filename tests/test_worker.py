@@ -118,6 +118,10 @@ def test_forward_runs_each_group_on_its_expert(connect):
     np.testing.assert_allclose(y, _expected(x, groups), rtol=1e-5, atol=1e-6)
     assert h["compute_s"] >= 0
     assert sorted(e for e, _, _ in h["experts"]) == [0, 5]  # empty groups are skipped
+    # its process's minor page faults so far: a count that only grows (gateway/chunking.py)
+    assert isinstance(h["flt"], int) and h["flt"] > 0
+    _, h2 = _forward(conn, 2, x, groups)
+    assert h2["flt"] >= h["flt"]
 
 
 def _op(conn, header):

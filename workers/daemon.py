@@ -29,6 +29,7 @@ import bisect
 from collections import deque
 import logging
 import os
+import resource
 import time
 from dataclasses import dataclass, field, fields
 from typing import Mapping, Optional
@@ -327,6 +328,7 @@ class WorkerDaemon:
                 compute_s = time.perf_counter() - t0
                 reply = P.result_reply(batch.request_id, shape, self.dtype, compute_s=compute_s,
                                        experts=per_expert, cpu_s=time.process_time(),
+                                       flt=resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
                                        t_in=took, t_out=time.perf_counter())
                 pinned = sorted({(e, v) for e, _, n, v in batch.groups if v is not None and n})
                 if pinned:

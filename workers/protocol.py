@@ -15,7 +15,7 @@ Requests and their replies::
     ping     {op, id}                               -> pong  {experts, versions, in_flight,
                                                               draining, counters}
     forward  {op, id, dtype, shape, layer?, groups?}  [x]   -> result {id, dtype, shape, compute_s,
-                                                               t_in?, t_out?, timing?, versions?}  [y]
+                                                               t_in?, t_out?, flt?, timing?, versions?}  [y]
     load     {op, id, expert, version, layer?, weights | seed | checkpoint, fingerprint?}
                                                     -> loaded  {id, expert, version, layer?}
     retire   {op, id, expert, version, layer?}      -> retired {id, expert, version, active, layer?}
@@ -34,7 +34,10 @@ connection. ``versions`` in info and pong is [[expert, active, [held, ...]], ...
 ``t_in``/``t_out`` in a result are the worker's clock (seconds) when it took the request up
 (its compute thread, if it has one: not while it queued behind another) and when its output
 was ready: the gateway reads their difference, the worker's busy time per message, never
-compares them with its own clock.
+compares them with its own clock. ``flt`` is the minor page faults the worker process has
+taken so far (a count that only grows while it runs): the gateway takes the difference
+between two replies to tell a round that wrote fresh memory, whose time is a start-up cost,
+from the steady state (gateway/chunking.py, ChunkMode).
 Header values are plain ints, floats, strings and lists (no int-keyed maps), so any
 msgpack implementation on any backend decodes them alike.
 

@@ -44,6 +44,8 @@ class FakeWorker:
         self.hang = False
         self.fail = False
         self.forwards = 0  # forward requests received
+        self.fault_step: Optional[int] = None  # if set, each result says this many more page faults (flt)
+        self.faults = 0
         self.rows = 0  # rows computed
         self._held_msgs: list = []  # forwards kept unanswered while hanging
         slot = max(64 << 10, max_tokens * d_model * self.dtype.itemsize)
@@ -153,6 +155,9 @@ class FakeWorker:
                                    t_out=time.perf_counter())
             if versions:
                 reply["versions"] = sorted(versions)
+            if self.fault_step is not None:
+                self.faults += self.fault_step
+                reply["flt"] = self.faults
             return reply
 
         self.loop.reply(conn, batch.nbytes, fill)
