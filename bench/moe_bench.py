@@ -19,7 +19,7 @@ import json
 import os
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -108,6 +108,7 @@ class TransportSystem:
         n_exp = router.n_experts
         self.procs: list = []
         self.pool = None
+        self.chunk_rows = chunk_rows
         self.stages: list[dict] = []
         # one secret for the pool and its workers, found or made as the services do: looking
         # only for an existing file left the pool with none on a fresh machine while each
@@ -136,6 +137,10 @@ class TransportSystem:
         except BaseException:  # the workers started so far go with the failed start
             self._stop_workers()
             raise
+
+    def chunk_choice(self) -> Optional[dict]:
+        """Auto's whole-or-chunked choice as it stands (None without auto)."""
+        return self.pool.chunk_choice() if self.pool is not None and self.chunk_rows == "auto" else None
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         t0, c0 = time.perf_counter(), time.process_time()
@@ -216,6 +221,31 @@ def warmup_forwards(args: argparse.Namespace) -> int:
     return WARMUP + 2 * PROBES + 1 if w is None else max(0, int(w))
 
 
+#: without --warmup-forwards, a system whose auto choice still probes after the default
+#: warm-up gets up to this many times as many again
+WARMUP_EXTEND = 4
+
+
+def warm_up(system: Any, forward: Callable[[int], Any], args: argparse.Namespace) -> int:
+    """Untimed forwards (``forward(i)`` runs the i-th), as many as :func:`warmup_forwards`
+    says; then, unless --warmup-forwards fixed the count, more while ``system``'s auto
+    choice is still measuring both ways. It leaves out rounds that faulted in fresh memory
+    (gateway/chunking.py, ChunkMode), so a cold start takes more rounds than the default,
+    and timing those would time the probing. Returns the forwards run."""
+    n = warmup_forwards(args)
+    for i in range(n):
+        forward(i)
+    choice = getattr(system, "chunk_choice", None)
+    if getattr(args, "warmup_forwards", None) is not None or choice is None:
+        return n
+    for extra in range(WARMUP_EXTEND * n):
+        snap = choice()
+        if snap is None or not snap["asked"] or snap["settled"]:
+            return n + extra
+        forward(n + extra)
+    return n + WARMUP_EXTEND * n
+
+
 def run(args: argparse.Namespace) -> int:
     if args.compute is not None or args.dtype is not None:
         from bench.moe_kernels import run as run_kernels
@@ -260,11 +290,17 @@ def run(args: argparse.Namespace) -> int:
         # untimed: first touches, and auto's choice measuring both ways (a start-up cost,
         # not the steady state the figures compare)
         for name, sys_ in systems.items():
-            for i in range(warmup_forwards(args)):
+            def one(i: int, sys_=sys_) -> None:
                 with threadpool_limits(1):
                     sys_.forward(xs[i % len(xs)])
+            n = warm_up(sys_, one, args)
             if isinstance(sys_, TransportSystem):
                 del sys_.stages[:]
+                snap = sys_.chunk_choice()
+                if snap is not None and snap["asked"]:
+                    print(f"{name}: {n} warm-up forwards; auto's choice measured {snap['measured']} rounds, "
+                          f"left out {snap['cold']} that faulted in fresh memory"
+                          + ("" if snap["settled"] else ", and has not measured both ways yet"), flush=True)
         for r in range(args.rounds):
             for name in list(systems) + list(refs):  # the references last, then a pause:
                 if name in refs:  # OpenBLAS threads spin ~0.1 s after their work and would

@@ -275,10 +275,9 @@ def _measure(B, args, router, owner, systems, layers, direct, name_np, name_ours
             err = float(np.abs(got - want).max() / np.abs(want).max())
             if err > 2e-2:
                 raise AssertionError(f"{name} disagrees with the numpy fp32 layer: {err:.3g}")
-        from bench.moe_bench import warmup_forwards
+        from bench.moe_bench import warm_up
         for name, sys_ in systems.items():  # untimed: first touches, and auto's choice measuring
-            for i in range(warmup_forwards(args)):
-                sys_.forward(inputs[name][i % len(inputs[name])])
+            warm_up(sys_, lambda i, sys_=sys_, xs=inputs[name]: sys_.forward(xs[i % len(xs)]), args)
     # per-worker token counts of each batch: what the direct call is timed on
     groups = []
     for x in xs32:

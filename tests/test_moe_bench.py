@@ -105,3 +105,36 @@ def test_a_start_that_fails_leaves_no_worker_running(monkeypatch):
         TransportSystem.__init__(system, "tcp", ReferenceMoE.from_seed(16, 32, 4, 2, seed=0).router, 2, 16, 32, 0, 8)
     assert len(started) == 2
     assert all(p.poll() is not None for p in started)
+
+
+class _Probing:
+    """A system whose auto choice settles after ``unsettled`` more forwards."""
+
+    def __init__(self, unsettled: int, asked: bool = True):
+        self.unsettled, self.asked, self.ran = unsettled, asked, []
+
+    def chunk_choice(self):
+        return {"asked": int(self.asked), "settled": len(self.ran) >= self.unsettled}
+
+    def forward(self, i):
+        self.ran.append(i)
+
+
+def test_warm_up_goes_on_while_auto_still_measures_both_ways():
+    """A cold start's rounds are left out of auto's choice, so it can still be probing after
+    the default warm-up: the bench warms up until it is not (bounded), unless the count is
+    fixed, and a system with no auto choice (or never asked) gets the default."""
+    import argparse
+    from bench.moe_bench import WARMUP_EXTEND, warm_up, warmup_forwards
+    auto, fixed = argparse.Namespace(warmup_forwards=None), argparse.Namespace(warmup_forwards=3)
+    n = warmup_forwards(auto)
+    s = _Probing(n + 5)
+    assert warm_up(s, s.forward, auto) == n + 5 and s.ran == list(range(n + 5))
+    s = _Probing(10 ** 6)  # never settles: bounded
+    assert warm_up(s, s.forward, auto) == n + WARMUP_EXTEND * n == len(s.ran)
+    s = _Probing(n + 5)
+    assert warm_up(s, s.forward, fixed) == 3 == len(s.ran)
+    s = _Probing(n + 5, asked=False)  # the size model never wanted chunks: nothing to wait for
+    assert warm_up(s, s.forward, auto) == n == len(s.ran)
+    ran = []
+    assert warm_up(object(), ran.append, auto) == n == len(ran)
