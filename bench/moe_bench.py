@@ -229,7 +229,8 @@ WARMUP_EXTEND = 4
 def warm_up(system: Any, forward: Callable[[int], Any], args: argparse.Namespace) -> int:
     """Untimed forwards (``forward(i)`` runs the i-th), as many as :func:`warmup_forwards`
     says; then, unless --warmup-forwards fixed the count, more while ``system``'s auto
-    choice is still measuring both ways. It leaves out rounds that faulted in fresh memory
+    choice is still measuring both ways (and is asked about each forward). It leaves out
+    rounds that faulted in fresh memory
     (gateway/chunking.py, ChunkMode), so a cold start takes more rounds than the default,
     and timing those would time the probing. Returns the forwards run."""
     n = warmup_forwards(args)
@@ -238,10 +239,14 @@ def warm_up(system: Any, forward: Callable[[int], Any], args: argparse.Namespace
     choice = getattr(system, "chunk_choice", None)
     if getattr(args, "warmup_forwards", None) is not None or choice is None:
         return n
+    asked = None
     for extra in range(WARMUP_EXTEND * n):
         snap = choice()
-        if snap is None or not snap["asked"] or snap["settled"]:
+        # settled, or not asked about the last forward: the size model sends this batch
+        # whole, and more forwards would not settle anything
+        if snap is None or not snap["asked"] or snap["settled"] or snap["asked"] == asked:
             return n + extra
+        asked = snap["asked"]
         forward(n + extra)
     return n + WARMUP_EXTEND * n
 

@@ -108,13 +108,14 @@ def test_a_start_that_fails_leaves_no_worker_running(monkeypatch):
 
 
 class _Probing:
-    """A system whose auto choice settles after ``unsettled`` more forwards."""
+    """A system whose auto choice settles after ``unsettled`` forwards, and is asked about
+    each of the first ``asked`` of them."""
 
-    def __init__(self, unsettled: int, asked: bool = True):
-        self.unsettled, self.asked, self.ran = unsettled, asked, []
+    def __init__(self, unsettled: int, asked: int = 10 ** 6):
+        self.unsettled, self.asks, self.ran = unsettled, asked, []
 
     def chunk_choice(self):
-        return {"asked": int(self.asked), "settled": len(self.ran) >= self.unsettled}
+        return {"asked": min(len(self.ran), self.asks), "settled": len(self.ran) >= self.unsettled}
 
     def forward(self, i):
         self.ran.append(i)
@@ -123,7 +124,7 @@ class _Probing:
 def test_warm_up_goes_on_while_auto_still_measures_both_ways():
     """A cold start's rounds are left out of auto's choice, so it can still be probing after
     the default warm-up: the bench warms up until it is not (bounded), unless the count is
-    fixed, and a system with no auto choice (or never asked) gets the default."""
+    fixed, and a system with no auto choice (or not asked any more) gets no more."""
     import argparse
     from bench.moe_bench import WARMUP_EXTEND, warm_up, warmup_forwards
     auto, fixed = argparse.Namespace(warmup_forwards=None), argparse.Namespace(warmup_forwards=3)
@@ -134,7 +135,9 @@ def test_warm_up_goes_on_while_auto_still_measures_both_ways():
     assert warm_up(s, s.forward, auto) == n + WARMUP_EXTEND * n == len(s.ran)
     s = _Probing(n + 5)
     assert warm_up(s, s.forward, fixed) == 3 == len(s.ran)
-    s = _Probing(n + 5, asked=False)  # the size model never wanted chunks: nothing to wait for
+    s = _Probing(n + 5, asked=0)  # the size model never wanted chunks: nothing to wait for
     assert warm_up(s, s.forward, auto) == n == len(s.ran)
+    s = _Probing(10 ** 6, asked=n + 3)  # it stopped wanting them: waiting would not settle it
+    assert warm_up(s, s.forward, auto) == n + 4 == len(s.ran)
     ran = []
     assert warm_up(object(), ran.append, auto) == n == len(ran)
