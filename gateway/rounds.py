@@ -629,12 +629,11 @@ class RoundBook:
         faults = w.faults_since(h.get("flt"))
         rnd.worker_faults += faults
         busy = _duration(h, cs)
-        if not w.chunk_costs.cold_reply(faults):
+        warm = not w.chunk_costs.cold_reply(faults)
+        if warm:
             w.chunk_costs.record_compute(rows, cs)
             w.chunk_costs.record_serve(busy - cs)
-            self._record_gap(rnd, w, c, h)
-        else:
-            self._record_gap(rnd, w, c, h, measure=False)
+        self._record_gap(rnd, w, c, h, measure=warm)
         st = rnd.stats
         rnd.compute[w.index] = rnd.compute.get(w.index, 0.0) + cs
         rnd.busy[w.index] = rnd.busy.get(w.index, 0.0) + busy
