@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 import transport
 from transport import framing, shm
-from transport.errors import TransportError
+from transport.base import BROKEN
+from transport.errors import ProtocolError, TransportError
 from transport.testing.shmlink import NSLOTS, RING, SLOT, Segments, check_recv
 from transport.shmring import (REC_HDR, W_ARMED_DATA, W_ARMED_SPACE, W_OUT_HEAD, W_OUT_TAIL, W_RET_HEAD,
                                W_RET_TAIL, W_RUNG)
@@ -278,5 +279,61 @@ def test_the_public_methods_are_compiled_and_keywords_take_the_python_path():
             s.recv(0.05)  # nothing there: the Python path waits, bounded
         with pytest.raises(TypeError):
             s.recv(1, 2)  # what the Python method says of a bad call
+    finally:
+        c.close(), s.close(), lst.close()
+
+
+@pytest.mark.parametrize("native", MODES)
+def test_a_sender_reuses_the_slot_given_back_last(native):
+    """Returns are taken before a slot is popped, so the slot the peer gave back last is the
+    one written next: with one message in flight a sender writes one slot over and over (a
+    sender that took returns only when its pool ran dry would go through all four first,
+    faulting each one in, in both processes)."""
+    lst, c, s = _pair(native, native)
+    try:
+        used = []
+        for i in range(12):
+            slot = c.alloc(8)
+            used.append(slot.index)
+            slot.buf[:] = i.to_bytes(8, "little")
+            c.send({}, [slot], timeout=5)
+            with s.recv(timeout=5) as m:
+                assert int.from_bytes(m.buffers[0], "little") == i
+        assert set(used) == {used[0]}
+        first, second = c.alloc(1), c.alloc(1)  # two in flight, given back in the other order
+        c.send({}, [first], timeout=5)
+        c.send({}, [second], timeout=5)
+        m1, m2 = s.recv(timeout=5), s.recv(timeout=5)
+        m2.release()
+        m1.release()
+        assert c.alloc(1).index == first.index and c.alloc(1).index == second.index
+        assert c._w[shm.W_RET_HEAD] == c._cur.ret_head == 14  # the peer sees every return taken
+    finally:
+        c.close(), s.close(), lst.close()
+
+
+@pytest.mark.parametrize("native", MODES)
+@pytest.mark.parametrize("bad", ["never lent", "twice", "past the tail"])
+def test_a_peer_that_returns_what_it_did_not_have_breaks_the_connection(native, bad):
+    """A hostile peer writes our return ring: an id out of range, one returned twice, or a tail
+    further than the ring holds. The next alloc raises ProtocolError and the connection is
+    BROKEN, on either path (the compiled one takes the good return and leaves the rest to the
+    Python path, which says what is wrong)."""
+    lst, c, s = _pair(native, native)
+    try:
+        slot = c.alloc(1)
+        c.send({}, [slot], timeout=5)
+        s.recv(timeout=5).release()  # a good return, not yet taken
+        ring, tail = c._returns.ids, c._w[W_RET_TAIL]
+        if bad == "past the tail":
+            c._w[W_RET_TAIL] = tail + len(ring) + 1
+        else:
+            ring[tail % len(ring)] = 99 if bad == "never lent" else slot.index
+            c._w[W_RET_TAIL] = tail + 1
+        with pytest.raises(ProtocolError, match="did not have|corrupted the return ring"):
+            c.alloc(1)
+        assert c._state == BROKEN
+        with pytest.raises(transport.ConnectionClosed):
+            c.alloc(1)
     finally:
         c.close(), s.close(), lst.close()

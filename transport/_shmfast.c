@@ -49,6 +49,8 @@ typedef struct {
     uint64_t out_cap, in_cap;
     volatile uint32_t *pret;        /* the return ring in the peer's segment */
     uint64_t pret_cap;
+    volatile uint32_t *ret;         /* ours: the peer gives our slots back on it */
+    uint64_t ret_cap;
     uint64_t recv_stride, recv_slot_size, recv_nslots;
     uint64_t max_record;            /* framing.MAX_FAST_RECORD */
     uint32_t tag;                   /* framing.TAG_FAST */
@@ -58,7 +60,7 @@ typedef struct {
     PyObject *pool, *free, *in_use, *slots;
     long long max_message;
     /* cursors shared with shm.py (see shmring.Cursors) */
-    unsigned long long out_tail, in_head, ret_tail, rung_sent, rung_seen;
+    unsigned long long out_tail, in_head, ret_tail, ret_head, rung_sent, rung_seen;
     /* messages through this path, folded into ConnectionStats by shm.py */
     unsigned long long msgs_in, bytes_in, msgs_out, bytes_out;
 } Link;
@@ -97,24 +99,27 @@ static int
 Link_init(Link *self, PyObject *args, PyObject *kwds)
 {
     static char *kw[] = {"seg", "out_off", "out_cap", "peer", "in_off", "in_cap", "pret_off", "pret_cap",
-                         "recv_mem", "recv_stride", "recv_slot_size", "recv_nslots", "bell_fd", "peer_bell_fd",
-                         "unpack", "max_record", "tag", "out_tail", "in_head", "ret_tail",
-                         "rung_sent", "rung_seen", NULL};
+                         "ret_off", "ret_cap", "recv_mem", "recv_stride", "recv_slot_size", "recv_nslots",
+                         "bell_fd", "peer_bell_fd", "unpack", "max_record", "tag", "out_tail", "in_head",
+                         "ret_tail", "ret_head", "rung_sent", "rung_seen", NULL};
     PyObject *seg, *peer, *recv_mem, *unpack;
-    Py_ssize_t out_off, out_cap, in_off, in_cap, pret_off, pret_cap;
-    unsigned long long stride, slot_size, nslots, max_record, out_tail, in_head, ret_tail, rung_sent, rung_seen;
+    Py_ssize_t out_off, out_cap, in_off, in_cap, pret_off, pret_cap, ret_off, ret_cap;
+    unsigned long long stride, slot_size, nslots, max_record, out_tail, in_head, ret_tail, ret_head, rung_sent,
+        rung_seen;
     unsigned int tag;
     int bell_fd, peer_bell_fd;
     if (self->open) {
         PyErr_SetString(PyExc_RuntimeError, "Link is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnnOnnnnOKKKiiOKIKKKKK", kw, &seg, &out_off, &out_cap,
-                                     &peer, &in_off, &in_cap, &pret_off, &pret_cap, &recv_mem, &stride,
-                                     &slot_size, &nslots, &bell_fd, &peer_bell_fd, &unpack,
-                                     &max_record, &tag, &out_tail, &in_head, &ret_tail, &rung_sent, &rung_seen))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnnOnnnnnnOKKKiiOKIKKKKKK", kw, &seg, &out_off, &out_cap,
+                                     &peer, &in_off, &in_cap, &pret_off, &pret_cap, &ret_off, &ret_cap,
+                                     &recv_mem, &stride, &slot_size, &nslots, &bell_fd, &peer_bell_fd, &unpack,
+                                     &max_record, &tag, &out_tail, &in_head, &ret_tail, &ret_head, &rung_sent,
+                                     &rung_seen))
         return -1;
-    if (!pow2((uint64_t)out_cap) || !pow2((uint64_t)in_cap) || !pow2((uint64_t)pret_cap)) {
+    if (!pow2((uint64_t)out_cap) || !pow2((uint64_t)in_cap) || !pow2((uint64_t)pret_cap)
+        || !pow2((uint64_t)ret_cap)) {
         PyErr_SetString(PyExc_ValueError, "ring sizes must be powers of two");
         return -1;
     }
@@ -137,8 +142,9 @@ Link_init(Link *self, PyObject *args, PyObject *kwds)
         || inside(&self->peer, 0, N_WORDS * 8, "the peer's control words") < 0
         || inside(&self->peer, in_off, in_cap, "the peer's ring") < 0
         || inside(&self->peer, pret_off, pret_cap * 4, "the peer's return ring") < 0
+        || inside(&self->seg, ret_off, ret_cap * 4, "our return ring") < 0
         || (((uintptr_t)self->seg.buf | (uintptr_t)self->peer.buf | (uintptr_t)out_off | (uintptr_t)in_off
-             | (uintptr_t)pret_off) & 7)) {
+             | (uintptr_t)pret_off | (uintptr_t)ret_off) & 7)) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError, "mappings and rings must be 8-byte aligned");
         PyBuffer_Release(&self->seg);
@@ -153,6 +159,8 @@ Link_init(Link *self, PyObject *args, PyObject *kwds)
     self->out_cap = (uint64_t)out_cap;
     self->in_cap = (uint64_t)in_cap;
     self->pret_cap = (uint64_t)pret_cap;
+    self->ret = (volatile uint32_t *)((unsigned char *)self->seg.buf + ret_off);
+    self->ret_cap = (uint64_t)ret_cap;
     self->recv_stride = stride;
     self->recv_slot_size = slot_size;
     self->recv_nslots = nslots;
@@ -167,6 +175,7 @@ Link_init(Link *self, PyObject *args, PyObject *kwds)
     self->out_tail = out_tail;
     self->in_head = in_head;
     self->ret_tail = ret_tail;
+    self->ret_head = ret_head;
     self->rung_sent = rung_sent;
     self->rung_seen = rung_seen;
     self->open = 1;
@@ -324,10 +333,49 @@ Link_send_message(Link *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(r);
 }
 
-PyDoc_STRVAR(alloc_doc, "alloc(conn, nbytes)\n--\n\nShmConnection.alloc's fast path: the last "
-             "freed slot of the attached pool, sized to ``nbytes``; None (nothing taken) when none is "
-             "free, ``nbytes`` is out of range or ``conn`` is not open (the Python path then waits or "
-             "raises).");
+/* Our slots the peer gave back, from our return ring into the attached pool's free list (shm.py's
+ * _take_returns for ids it can take): 0 when every one waiting was taken; 1 when it stopped at a
+ * corrupted ring or an id we did not lend, which it leaves in the ring for the Python path to
+ * report; -1 with an exception set. */
+static int
+take_returns(Link *self)
+{
+    uint64_t head = self->ret_head, tail = ld(&self->w[W_RET_TAIL]);
+    if (tail == head)
+        return 0;
+    if (tail - head > self->ret_cap)
+        return 1;
+    PyObject *in_use = self->in_use;
+    Py_ssize_t nslots = PyList_GET_SIZE(in_use);
+    int r = 0;
+    for (; head != tail; head++) {
+        uint32_t i = self->ret[head & (self->ret_cap - 1)];  /* read once: the peer may rewrite it */
+        if ((Py_ssize_t)i >= nslots || PyList_GET_ITEM(in_use, i) != Py_True) {
+            r = 1;  /* out of range or returned twice */
+            break;
+        }
+        PyObject *id = PyLong_FromUnsignedLong(i);
+        PyObject *done = id ? PyObject_CallMethodOneArg(self->free, fp.s_append, id) : NULL;
+        Py_XDECREF(id);
+        if (done == NULL) {
+            r = -1;
+            break;
+        }
+        Py_DECREF(done);
+        PyList_SetItem(in_use, i, Py_NewRef(Py_False));
+    }
+    if (head != self->ret_head) {
+        self->ret_head = head;
+        st(&self->w[W_RET_HEAD], head);  /* the peer's room to return more */
+    }
+    return r;
+}
+
+PyDoc_STRVAR(alloc_doc, "alloc(conn, nbytes)\n--\n\nShmConnection.alloc's fast path: the slots the "
+             "peer gave back taken into the attached pool first, then its last freed slot, sized to "
+             "``nbytes``; None (nothing taken) when none is free, ``nbytes`` is out of range, ``conn`` "
+             "is not open or the return ring holds something it does not take (the Python path then "
+             "waits or raises).");
 
 static PyObject *
 Link_alloc(Link *self, PyObject *const *args, Py_ssize_t nargs)
@@ -343,10 +391,7 @@ Link_alloc(Link *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    Py_ssize_t n = PyObject_Size(self->free);  /* a deque */
-    if (n < 0)
-        return NULL;
-    if (nbytes < 0 || nbytes > self->max_message || n == 0)
+    if (nbytes < 0 || nbytes > self->max_message)
         Py_RETURN_NONE;
     int open = fp_conn_open(&fp, args[0]);
     if (open <= 0) {
@@ -354,6 +399,12 @@ Link_alloc(Link *self, PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         Py_RETURN_NONE;
     }
+    /* returns first: the slot given back last is reused next, so the slots in flight stay the
+     * working set (a sender that took them only when its pool ran dry would write each slot once,
+     * faulting it in on both sides, before it came back to the first) */
+    int taken = take_returns(self);
+    if (taken != 0)
+        return taken < 0 ? NULL : Py_NewRef(Py_None);
     return fp_pool_pop(&fp, self->free, self->in_use, self->slots, args[1]);
 }
 
@@ -511,6 +562,7 @@ static PyMemberDef Link_members[] = {
     {"out_tail", T_ULONGLONG, offsetof(Link, out_tail), 0, "bytes we published in our ring"},
     {"in_head", T_ULONGLONG, offsetof(Link, in_head), 0, "bytes we consumed from the peer's ring"},
     {"ret_tail", T_ULONGLONG, offsetof(Link, ret_tail), 0, "slot ids we returned to the peer"},
+    {"ret_head", T_ULONGLONG, offsetof(Link, ret_head), 0, "slot ids the peer returned that we took"},
     {"rung_sent", T_ULONGLONG, offsetof(Link, rung_sent), 0, "times we rang the peer"},
     {"rung_seen", T_ULONGLONG, offsetof(Link, rung_seen), 0, "the peer's ring count we cleared for"},
     {"msgs_in", T_ULONGLONG, offsetof(Link, msgs_in), 0, "messages received here, not yet in stats"},

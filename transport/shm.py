@@ -280,7 +280,7 @@ class ShmConnection(CompiledPath, Connection):
         self._recv_mem = peer_seg.pool_mem.toreadonly()
         self._ranges = [(buffer_address(s.mem), len(s.mem)) for s in (peer_seg, seg)]
         cur = Cursors(self._w[W_OUT_TAIL], self._pw[W_OUT_HEAD], self._pw[W_RET_TAIL], self._pw[W_RUNG],
-                      self._w[W_RUNG])
+                      self._w[W_RUNG], self._w[W_RET_HEAD])
         #: the compiled fast path (transport/_shmfast.c) for fast records, or None
         self._link = self._make_link(seg, peer_seg, bell, peer_bell, cur) if fast and native is not False else None
         self._cur = cur = self._link if self._link is not None else cur  # one set of cursors for both paths
@@ -290,7 +290,7 @@ class ShmConnection(CompiledPath, Connection):
         self._in = RecordReader(peer_seg.ring, peer_seg.words, cur)
         self._in32 = peer_seg.ring.cast("I")  # record length words, read without a struct call
         self._spins = range(16)
-        self._returns = ReturnReader(seg.ret, seg.words)
+        self._returns = ReturnReader(seg.ret, seg.words, cur)
         self._give_back = ReturnWriter(peer_seg.ret, peer_seg.words, cur)
         fence = Fence()
         self._acq, self._rel = fence._lock.acquire, fence._lock.release  # inlined: hot path
@@ -304,10 +304,10 @@ class ShmConnection(CompiledPath, Connection):
             return None
         mine, theirs = seg.layout, peer_seg.layout
         return _shmfast.Link(seg.mem, mine.ring_off, mine.ring_bytes, peer_seg.mem, theirs.ring_off,
-                             theirs.ring_bytes, theirs.ret_off, theirs.ret_cap, self._recv_mem, self._recv_stride,
-                             self._recv_slot_size, self._recv_nslots, bell.fd, peer_bell, unpack_fast_user,
-                             MAX_FAST_RECORD, TAG_FAST, cur.out_tail, cur.in_head, cur.ret_tail, cur.rung_sent,
-                             cur.rung_seen)
+                             theirs.ring_bytes, theirs.ret_off, theirs.ret_cap, mine.ret_off, mine.ret_cap,
+                             self._recv_mem, self._recv_stride, self._recv_slot_size, self._recv_nslots, bell.fd,
+                             peer_bell, unpack_fast_user, MAX_FAST_RECORD, TAG_FAST, cur.out_tail, cur.in_head,
+                             cur.ret_tail, cur.ret_head, cur.rung_sent, cur.rung_seen)
 
     # -- doorbell -------------------------------------------------------------------
     def _ring(self) -> None:
@@ -593,12 +593,15 @@ class ShmConnection(CompiledPath, Connection):
 
     def _alloc_py(self, nbytes: int, timeout: Optional[float] = None) -> Slot:
         link = self._link
-        if link is not None:  # compiled: the last freed slot (None: wait or raise below)
+        if link is not None:  # compiled: returns taken, the last freed slot (None: wait or raise below)
             slot = link.alloc(self, nbytes)
             if slot is not None:
                 return slot
         free = self._free
-        if not free and self._returns.ready() and not self._state:
+        # returns first, so the slot given back last is the one reused: the slots in flight
+        # stay the working set (taken only when the pool ran dry, a sender would write every
+        # slot once, faulting each one in, before it came back to the first)
+        if not self._state and self._w[W_RET_TAIL] != self._cur.ret_head:
             self._take_returns()
         if free and not self._state and 0 <= nbytes <= self.max_message:
             i = free.pop()  # BufferPool.try_alloc inlined: last freed, first reused

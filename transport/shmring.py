@@ -204,11 +204,11 @@ class Cursors:
     the shared words at any time). transport/_shmfast.c's ``Link`` has the same fields, so
     the compiled fast path and the classes below move the same cursors."""
 
-    __slots__ = ("out_tail", "in_head", "ret_tail", "rung_sent", "rung_seen")
+    __slots__ = ("out_tail", "in_head", "ret_tail", "ret_head", "rung_sent", "rung_seen")
 
     def __init__(self, out_tail: int = 0, in_head: int = 0, ret_tail: int = 0, rung_sent: int = 0,
-                 rung_seen: int = 0):
-        self.out_tail, self.in_head, self.ret_tail = out_tail, in_head, ret_tail
+                 rung_seen: int = 0, ret_head: int = 0):
+        self.out_tail, self.in_head, self.ret_tail, self.ret_head = out_tail, in_head, ret_tail, ret_head
         self.rung_sent, self.rung_seen = rung_sent, rung_seen
 
 
@@ -417,25 +417,30 @@ class ReturnWriter:
 class ReturnReader:
     """Our own slots coming back (the ring in our segment; the peer writes its tail)."""
 
-    __slots__ = ("ids", "words", "head", "mask")
+    __slots__ = ("ids", "words", "cur", "mask")
 
-    def __init__(self, ids: memoryview, words: memoryview):
+    def __init__(self, ids: memoryview, words: memoryview, cur: Optional[Cursors] = None):
         self.ids, self.words = ids, words
         self.mask = len(ids) - 1
-        self.head = words[W_RET_HEAD]
+        # we are the only reader of the head: ours is the truth, not the shared word
+        self.cur = cur if cur is not None else Cursors(ret_head=words[W_RET_HEAD])
+
+    @property
+    def head(self) -> int:
+        return self.cur.ret_head
 
     def ready(self) -> bool:
-        return self.words[W_RET_TAIL] != self.head
+        return self.words[W_RET_TAIL] != self.cur.ret_head
 
     def drain(self) -> list:
         tail = self.words[W_RET_TAIL]
-        head = self.head
+        head = self.cur.ret_head
         if tail == head:
             return []
         if not 0 < tail - head <= len(self.ids):
             raise ProtocolError("peer corrupted the return ring")
         out = [self.ids[h & self.mask] for h in range(head, tail)]
-        self.head = tail
+        self.cur.ret_head = tail
         self.words[W_RET_HEAD] = tail
         return out
 

@@ -38,11 +38,12 @@ class Segments:
     def link(self, **cursors):
         from transport import _shmfast
         lay = self.lay
-        c = {**dict(out_tail=0, in_head=0, ret_tail=0, rung_sent=0, rung_seen=0), **cursors}
+        c = {**dict(out_tail=0, in_head=0, ret_tail=0, ret_head=0, rung_sent=0, rung_seen=0), **cursors}
         return _shmfast.Link(self.mine, lay.ring_off, RING, self.peer, lay.ring_off, RING, lay.ret_off,
-                             lay.ret_cap, self.recv_mem, SLOT, SLOT, NSLOTS, self.bell, self.peer_bell,
-                             framing.unpack_fast_user, framing.MAX_FAST_RECORD, framing.TAG_FAST,
-                             c["out_tail"], c["in_head"], c["ret_tail"], c["rung_sent"], c["rung_seen"])
+                             lay.ret_cap, lay.ret_off, lay.ret_cap, self.recv_mem, SLOT, SLOT, NSLOTS, self.bell,
+                             self.peer_bell, framing.unpack_fast_user, framing.MAX_FAST_RECORD, framing.TAG_FAST,
+                             c["out_tail"], c["in_head"], c["ret_tail"], c["ret_head"], c["rung_sent"],
+                             c["rung_seen"])
 
     def close(self):
         os.close(self.bell)
