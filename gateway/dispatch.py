@@ -68,23 +68,33 @@ class DispatchPlan:
             starts = np.concatenate(([0], cut)).astype(np.int64) if hi > lo else cut
             ends = np.concatenate((cut, [hi - lo])).astype(np.int64) if hi > lo else cut
             self._groups.append([(int(ex[s]), int(s), int(e - s)) for s, e in zip(starts, ends)])
-        # Combine segments, one per (slot, worker): within one, token ids are
-        # unique, so fancy-indexed writes are correct without np.add.at (slow
-        # before numpy 1.25). Slot 0 comes first and, a token having one slot 0,
-        # is written with `=`: only tokens whose slot 0 was dropped need zeroing.
-        self._segments: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, bool]] = []
-        for j in range(top_k):
-            for w in range(n_workers):
+        self._slots, self._weights = slots, weights  # for the combine tables, made when first used
+        self._tables: Optional[tuple[list, np.ndarray, np.ndarray]] = None
+
+    def _combine_tables(self) -> tuple[list, np.ndarray, np.ndarray]:
+        """(segments, untouched, unset): what combining needs and sending does not, made on
+        first use, so a chunked round's first message goes out without waiting for them.
+
+        Combine segments, one per (slot, worker): within one, token ids are unique, so
+        fancy-indexed writes are correct without np.add.at (slow before numpy 1.25). Slot 0
+        comes first and, a token having one slot 0, is written with `=`: only tokens whose
+        slot 0 was dropped (unset) need zeroing. Untouched: tokens no worker computes."""
+        if self._tables is not None:
+            return self._tables
+        tokens, slots, weights = self._tokens, self._slots, self._weights
+        segments: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, bool]] = []
+        for j in range(self.top_k):
+            for w in range(self.n_workers):
                 lo, hi = int(self._offsets[w]), int(self._offsets[w + 1])
                 rows = np.flatnonzero(slots[lo:hi] == j)
                 if rows.size:
-                    self._segments.append((w, rows, tokens[lo:hi][rows], weights[lo:hi][rows, None], j == 0))
-        touched = np.zeros(num_tokens, dtype=bool)
+                    segments.append((w, rows, tokens[lo:hi][rows], weights[lo:hi][rows, None], j == 0))
+        touched = np.zeros(self.num_tokens, dtype=bool)
         touched[tokens] = True
-        self._untouched = np.flatnonzero(~touched)  # tokens no worker computes (accumulator)
-        has_first = np.zeros(num_tokens, dtype=bool)
+        has_first = np.zeros(self.num_tokens, dtype=bool)
         has_first[tokens[slots == 0]] = True
-        self._unset = np.flatnonzero(~has_first)
+        self._tables = segments, np.flatnonzero(~touched), np.flatnonzero(~has_first)
+        return self._tables
 
     # -- construction -------------------------------------------------------
 
@@ -227,11 +237,12 @@ class DispatchPlan:
         return self._combine(outputs, out, widen=False)
 
     def _combine(self, outputs: Sequence[np.ndarray | None], out: np.ndarray, widen: bool) -> np.ndarray:
-        if self._unset.size == self.num_tokens:
+        segments, _, unset = self._combine_tables()
+        if unset.size == self.num_tokens:
             out[...] = 0
-        elif self._unset.size:
-            out[self._unset] = 0
-        for w, rows, toks, wts, first in self._segments:
+        elif unset.size:
+            out[unset] = 0
+        for w, rows, toks, wts, first in segments:
             if not widen and _native_ok(outputs[w], out):
                 _native.scatter(out, outputs[w], rows, toks, wts, 0, first)
                 continue
@@ -256,8 +267,9 @@ class DispatchPlan:
             array = into
         else:
             array = np.empty((self.num_tokens, d), np.float32)
-        if self._untouched.size:
-            array[self._untouched] = 0
+        untouched = self._combine_tables()[1]
+        if untouched.size:
+            array[untouched] = 0
         return ChunkSum(array)
 
     def accumulate(self, w: int, lo: int, hi: int, y: np.ndarray, acc: "ChunkSum") -> None:
@@ -265,7 +277,7 @@ class DispatchPlan:
         read where it landed) into ``acc``: a worker's rows may come back in several messages,
         each added as it lands and then given back."""
         out, seen = acc.array, acc.seen
-        for sw, rows, toks, wts, _ in self._segments:
+        for sw, rows, toks, wts, _ in self._combine_tables()[0]:
             if sw != w:
                 continue
             a, b = np.searchsorted(rows, (lo, hi))  # a segment's rows are ascending

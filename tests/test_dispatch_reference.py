@@ -129,6 +129,25 @@ def test_plan_layout():
         np.testing.assert_array_equal(plan.gather(x, w), x[toks])
 
 
+def test_sending_needs_no_combine_tables():
+    """A plan's combine tables are made when combining first needs them: building the plan
+    and gathering every worker's rows (what goes before a round's first message) does not
+    make them, and the combine made after that equals the reference."""
+    moe = make_moe(2, "zipf")
+    x = tokens()
+    y_ref, routing = moe.forward(x)
+    plan = DispatchPlan.build(routing.topk_idx, routing.topk_weights, [0, 1] * 4, 2)
+    ys = []
+    for w in range(2):
+        xs = plan.gather(x, w)
+        ys.append(np.empty_like(xs))
+        for e, start, count in plan.groups(w):
+            moe.experts[e].forward(xs[start:start + count], ys[w][start:start + count])
+    assert plan._tables is None
+    np.testing.assert_allclose(plan.combine(ys, np.full_like(x, np.nan)), y_ref, **TOL)
+    assert plan._tables is not None
+
+
 def test_gather_into_writes_the_callers_buffer():
     moe = make_moe(2)
     x = tokens()
