@@ -71,31 +71,6 @@ class DispatchPlan:
         self._slots, self._weights = slots, weights  # for the combine tables, made when first used
         self._tables: Optional[tuple[list, np.ndarray, np.ndarray]] = None
 
-    def _combine_tables(self) -> tuple[list, np.ndarray, np.ndarray]:
-        """(segments, untouched, unset): what combining needs and sending does not, made on
-        first use, so a chunked round's first message goes out without waiting for them.
-
-        Combine segments, one per (slot, worker): within one, token ids are unique, so
-        fancy-indexed writes are correct without np.add.at (slow before numpy 1.25). Slot 0
-        comes first and, a token having one slot 0, is written with `=`: only tokens whose
-        slot 0 was dropped (unset) need zeroing. Untouched: tokens no worker computes."""
-        if self._tables is not None:
-            return self._tables
-        tokens, slots, weights = self._tokens, self._slots, self._weights
-        segments: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, bool]] = []
-        for j in range(self.top_k):
-            for w in range(self.n_workers):
-                lo, hi = int(self._offsets[w]), int(self._offsets[w + 1])
-                rows = np.flatnonzero(slots[lo:hi] == j)
-                if rows.size:
-                    segments.append((w, rows, tokens[lo:hi][rows], weights[lo:hi][rows, None], j == 0))
-        touched = np.zeros(self.num_tokens, dtype=bool)
-        touched[tokens] = True
-        has_first = np.zeros(self.num_tokens, dtype=bool)
-        has_first[tokens[slots == 0]] = True
-        self._tables = segments, np.flatnonzero(~touched), np.flatnonzero(~has_first)
-        return self._tables
-
     # -- construction -------------------------------------------------------
 
     @classmethod
@@ -203,6 +178,31 @@ class DispatchPlan:
         return self.gather_into(x, w, out)
 
     # -- combine ------------------------------------------------------------
+
+    def _combine_tables(self) -> tuple[list, np.ndarray, np.ndarray]:
+        """(segments, untouched, unset): what combining needs and sending does not, made on
+        first use, so a chunked round's first message goes out without waiting for them.
+
+        Combine segments, one per (slot, worker): within one, token ids are unique, so
+        fancy-indexed writes are correct without np.add.at (slow before numpy 1.25). Slot 0
+        comes first and, a token having one slot 0, is written with `=`: only tokens whose
+        slot 0 was dropped (unset) need zeroing. Untouched: tokens no worker computes."""
+        if self._tables is not None:
+            return self._tables
+        tokens, slots, weights = self._tokens, self._slots, self._weights
+        segments: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, bool]] = []
+        for j in range(self.top_k):
+            for w in range(self.n_workers):
+                lo, hi = int(self._offsets[w]), int(self._offsets[w + 1])
+                rows = np.flatnonzero(slots[lo:hi] == j)
+                if rows.size:
+                    segments.append((w, rows, tokens[lo:hi][rows], weights[lo:hi][rows, None], j == 0))
+        touched = np.zeros(self.num_tokens, dtype=bool)
+        touched[tokens] = True
+        has_first = np.zeros(self.num_tokens, dtype=bool)
+        has_first[tokens[slots == 0]] = True
+        self._tables = segments, np.flatnonzero(~touched), np.flatnonzero(~has_first)
+        return self._tables
 
     def combine(self, outputs: Sequence[np.ndarray | None], out: np.ndarray) -> np.ndarray:
         """out[t] = sum over t's assignments of weight * expert output.

@@ -425,10 +425,6 @@ class ReturnReader:
         # we are the only reader of the head: ours is the truth, not the shared word
         self.cur = cur if cur is not None else Cursors(ret_head=words[W_RET_HEAD])
 
-    @property
-    def head(self) -> int:
-        return self.cur.ret_head
-
     def ready(self) -> bool:
         return self.words[W_RET_TAIL] != self.cur.ret_head
 
