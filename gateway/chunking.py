@@ -39,6 +39,9 @@ SAMPLES = 8  # the last rounds of each way that the choice looks at
 MODE_MARGIN = 0.02
 PROBE_EVERY = 16  # one round in this many goes the other way, so both stay measured...
 MAX_PROBE_EVERY = 256  # ...one in twice as many each time a probe left the choice as it was
+#: a part the size model keeps whole only because its chunk sizes measured slow goes in
+#: chunks one round in this many, and in twice as many after each (see ChunkSizer)
+REPROBE_EVERY = 4
 #: a round that took this many minor page faults more than the fewest of the last SAMPLES
 #: rounds wrote fresh memory (1 MiB of 4 KiB pages): its time is a start-up cost, and the
 #: whole-or-chunked choice leaves it out (ChunkMode.record)
@@ -263,7 +266,8 @@ class ChunkCosts:
 
 
 def choose_chunks(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
-                  groups: Optional[Sequence[Sequence[int]]] = None) -> tuple[int, int]:
+                  groups: Optional[Sequence[Sequence[int]]] = None,
+                  price_compute: bool = True) -> tuple[int, int]:
     """``(size, edge)`` for a part of ``rows`` rows: at most ``size`` rows a chunk, the ramps
     of :func:`split_part` starting from ``edge`` rows; ``size == rows`` means one message.
 
@@ -278,7 +282,8 @@ def choose_chunks(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
     longer ramp) and slower small products: the measured costs decide. One message when
     none saves more than MARGIN of the part's compute, or before the first rounds measured
     it. With the part's ``groups``, the chunks are the ones :func:`split_part` makes of it,
-    else equal ones."""
+    else equal ones. ``price_compute=False``: as if every size computed at the whole part's
+    rate (what :class:`ChunkSizer` re-probes)."""
     if rows <= 1:
         return max(rows, 0), max(rows, 0)
     if setting != "auto":
@@ -293,6 +298,8 @@ def choose_chunks(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
     spr: dict = {}  # bucket -> extra compute per row at that size (looked up once a call)
 
     def lost(n: int) -> float:
+        if not price_compute:
+            return 0.0
         b = _bucket(n)
         if b not in spr:
             spr[b] = max(0.0, (costs.seconds_per_row(n) or whole) - whole)
@@ -328,6 +335,44 @@ def choose_chunks(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
             if net > best_net:
                 best, best_net = (c, e), net
     return best
+
+
+class ChunkSizer:
+    """One worker's chunk size each round: :func:`choose_chunks`, and a re-probe of what it
+    priced out. Only chunks measure a chunk size's compute rate, so once the model keeps a
+    part whole because its sizes measured slow, nothing measures them again. One chunked
+    round run slow by the machine, not by its size (4096 rows over shm: 13.3 to 14.9 us a
+    row, whole 13.5), once kept parts whole for the rest of a run. So when the model sends
+    a part whole that it would chunk at the whole part's rate, one such round in ``every``
+    goes at that size instead. ``every`` starts at REPROBE_EVERY, doubles after each
+    re-probe (up to MAX_PROBE_EVERY: sizes that stay slow stop costing rounds), and starts
+    over once the model chunks on its own again. The whole-or-chunked choice
+    (:class:`ChunkMode`) still has the last word on a re-probed round, as on any other."""
+
+    def __init__(self) -> None:
+        self.every = REPROBE_EVERY
+        self._left = REPROBE_EVERY  # priced-out rounds before the next re-probe
+        self.reprobes = 0
+
+    def choose(self, rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
+               groups: Optional[Sequence[Sequence[int]]] = None) -> tuple[int, int]:
+        """``(size, edge)`` for a part of ``rows`` rows, as :func:`choose_chunks`."""
+        got = choose_chunks(rows, setting, costs, groups)
+        if setting != "auto":
+            return got
+        if got[0] < rows:
+            self.every = self._left = REPROBE_EVERY
+            return got
+        self._left -= 1
+        if self._left > 0:
+            return got
+        self._left = self.every  # (the priced-out sizes are only looked at when one is due)
+        unpriced = choose_chunks(rows, setting, costs, groups, price_compute=False)
+        if unpriced[0] >= rows:  # whole even so: messages cost more than they hide
+            return got
+        self.reprobes += 1
+        self.every = self._left = min(2 * self.every, MAX_PROBE_EVERY)
+        return unpriced
 
 
 def part_bounds(groups: Sequence[Sequence[int]], rows: int, size: int) -> list[int]:

@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from gateway.chunking import ChunkMode, ChunkSetting, choose_chunks, chunk_groups, parse_chunk_rows, split_part
+from gateway.chunking import ChunkMode, ChunkSetting, chunk_groups, parse_chunk_rows, split_part
 from gateway.dispatch import ChunkSum, DispatchPlan, split_over_replicas
 from gateway.replicas import BALANCING, choose_least_loaded, choose_replicas
 from gateway.router import Routing
@@ -455,7 +455,7 @@ class RoundBook:
                 rnd.rows[w] = base
                 rnd.groups[w] = self._part_groups(rnd, w)
                 costs = self.workers[w].chunk_costs
-                size, edge = choose_chunks(base, self.chunk_rows, costs, rnd.groups[w])
+                size, edge = self.workers[w].chunk_sizer.choose(base, self.chunk_rows, costs, rnd.groups[w])
                 rnd.bounds[w] = split_part(rnd.groups[w], base, size, costs.ramp_growth(base), edge)
         # auto: the size model would chunk this round; measured costs say whether to
         rnd.eligible = self.chunk_rows == "auto" and rnd.chunked

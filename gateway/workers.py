@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 import transport
-from gateway.chunking import ChunkCosts
+from gateway.chunking import ChunkCosts, ChunkSizer
 from transport import ConnectionClosed, Timeout, TransportError
 from workers import protocol as P
 
@@ -141,6 +141,7 @@ class WorkerLink:
     cost_seconds: float = 0.0  # decayed sums of the compute its replies reported ...
     cost_rows: float = 0.0  # ... and of their rows
     chunk_costs: ChunkCosts = field(default_factory=ChunkCosts)  # what sizes its chunks (gateway/chunking.py)
+    chunk_sizer: ChunkSizer = field(default_factory=ChunkSizer)  # the size, from those costs
     pid: Optional[int] = None
     last_heard: float = 0.0
     ping_sent: Optional[float] = None
@@ -205,7 +206,7 @@ class WorkerLink:
                 "batches_sent": self.batches_sent, "failures": self.failures, "reconnects": self.reconnects,
                 "compute_seconds": self.compute_seconds, "cpu_s": self.cpu_s, "pid": self.pid,
                 "seconds_per_row": self.seconds_per_row,
-                "message_s": self.chunk_costs.msg_s,
+                "message_s": self.chunk_costs.msg_s, "chunk_reprobes": self.chunk_sizer.reprobes,
                 "layers": [[L, sorted(ids)] for L, ids in sorted(self.layers.items())], "kernel": dict(self.kernel),
                 "versions": [P.with_layer([e, v, sorted(self.held.get((L, e), {v}))], L)
                              for (L, e), v in sorted(self.versions.items())],

@@ -83,6 +83,45 @@ def test_auto_avoids_sizes_measured_slower_per_row():
     assert choose_chunks(1024, "auto", costs)[0] == 1024
 
 
+def _trapped() -> ChunkCosts:
+    """Every chunk size measured 30% slower than the whole part, once: priced out, though
+    at the whole part's rate 128 rows would save the most."""
+    return _costs(1e-3, {1024: 1e-3, 32: 1.3e-3, 64: 1.3e-3, 128: 1.3e-3, 256: 1.3e-3, 512: 1.3e-3}, idle_s=0.1)
+
+
+def test_sizer_reprobes_sizes_priced_out_by_their_compute():
+    """Only chunks measure a chunk size's rate: a part kept whole because its sizes
+    measured slow goes chunked one round in REPROBE_EVERY, then in twice as many each time."""
+    from gateway.chunking import REPROBE_EVERY, ChunkSizer
+    costs, sizer = _trapped(), ChunkSizer()
+    assert choose_chunks(1024, "auto", costs)[0] == 1024
+    assert choose_chunks(1024, "auto", costs, price_compute=False)[0] == 128
+    got = [sizer.choose(1024, "auto", costs)[0] for _ in range(REPROBE_EVERY * 7)]
+    chunked = [i + 1 for i, size in enumerate(got) if size != 1024]
+    assert chunked == [REPROBE_EVERY, 3 * REPROBE_EVERY, 7 * REPROBE_EVERY]  # gaps 4, 8, 16
+    assert {got[i - 1] for i in chunked} == {128} and sizer.reprobes == 3
+    # the re-probe measured the sizes as fast as the whole part: the model chunks on its
+    # own, and a later trap starts over at REPROBE_EVERY
+    for rows in (32, 64, 128, 256, 512):
+        for _ in range(20):
+            costs.record_compute(rows, rows * 1e-3)
+    assert sizer.choose(1024, "auto", costs)[0] == 128 and sizer.every == REPROBE_EVERY
+    again = [sizer.choose(1024, "auto", _trapped())[0] for _ in range(REPROBE_EVERY)]
+    assert again == [1024] * (REPROBE_EVERY - 1) + [128]
+
+
+def test_sizer_reprobes_nothing_that_messages_price_out():
+    """Whole even at the whole part's rate (a message costs more than it hides), or a
+    fixed size: the sizer answers as the model does, every round."""
+    from gateway.chunking import REPROBE_EVERY, ChunkSizer
+    sizer = ChunkSizer()
+    dear = _costs(100e-6, {256: 0.8e-3}, 2e-3)
+    assert [sizer.choose(256, "auto", dear)[0] for _ in range(8 * REPROBE_EVERY)] == [256] * 8 * REPROBE_EVERY
+    assert [sizer.choose(1024, 0, _trapped())[0] for _ in range(8 * REPROBE_EVERY)] == [1024] * 8 * REPROBE_EVERY
+    assert [sizer.choose(1024, 256, None)[0] for _ in range(8 * REPROBE_EVERY)] == [256] * 8 * REPROBE_EVERY
+    assert sizer.reprobes == 0
+
+
 def test_idle_time_is_the_least_of_recent_whole_rounds():
     """A worker's first rounds (its slots touched for the first time) run far longer than
     the rest, and once auto chunks only its probes go whole: the first rounds must not size
