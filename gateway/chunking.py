@@ -40,7 +40,7 @@ MODE_MARGIN = 0.02
 PROBE_EVERY = 16  # one round in this many goes the other way, so both stay measured...
 MAX_PROBE_EVERY = 256  # ...one in twice as many each time a probe left the choice as it was
 #: a part the size model keeps whole only because its chunk sizes measured slow goes in
-#: chunks one round in this many, and in twice as many after each (see ChunkSizer)
+#: chunks one round in this many, PROBES times, then in twice as many each time (ChunkSizer)
 REPROBE_EVERY = 4
 #: a round that took this many minor page faults more than the fewest of the last SAMPLES
 #: rounds wrote fresh memory (1 MiB of 4 KiB pages): its time is a start-up cost, and the
@@ -344,14 +344,17 @@ class ChunkSizer:
     round run slow by the machine, not by its size (4096 rows over shm: 13.3 to 14.9 us a
     row, whole 13.5), once kept parts whole for the rest of a run. So when the model sends
     a part whole that it would chunk at the whole part's rate, one such round in ``every``
-    goes at that size instead. ``every`` starts at REPROBE_EVERY, doubles after each
-    re-probe (up to MAX_PROBE_EVERY: sizes that stay slow stop costing rounds), and starts
-    over once the model chunks on its own again. The whole-or-chunked choice
+    goes at that size instead: one in REPROBE_EVERY for PROBES re-probes, then in twice as
+    many after each (up to MAX_PROBE_EVERY: sizes that stay slow stop costing rounds), and
+    from the start once the model chunks on its own again. Not doubling at once: a rate is
+    a decayed mean, and one re-probe moves it only part of the way back (a rate raised 15%
+    by hand took three at 4096 tokens over shm). The whole-or-chunked choice
     (:class:`ChunkMode`) still has the last word on a re-probed round, as on any other."""
 
     def __init__(self) -> None:
         self.every = REPROBE_EVERY
         self._left = REPROBE_EVERY  # priced-out rounds before the next re-probe
+        self._run = 0  # re-probes since the model last chunked on its own
         self.reprobes = 0
 
     def choose(self, rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
@@ -362,6 +365,7 @@ class ChunkSizer:
             return got
         if got[0] < rows:
             self.every = self._left = REPROBE_EVERY
+            self._run = 0
             return got
         self._left -= 1
         if self._left > 0:
@@ -371,7 +375,9 @@ class ChunkSizer:
         if unpriced[0] >= rows:  # whole even so: messages cost more than they hide
             return got
         self.reprobes += 1
-        self.every = self._left = min(2 * self.every, MAX_PROBE_EVERY)
+        self._run += 1
+        if self._run >= PROBES:
+            self.every = self._left = min(2 * self.every, MAX_PROBE_EVERY)
         return unpriced
 
 

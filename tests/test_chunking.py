@@ -91,15 +91,17 @@ def _trapped() -> ChunkCosts:
 
 def test_sizer_reprobes_sizes_priced_out_by_their_compute():
     """Only chunks measure a chunk size's rate: a part kept whole because its sizes
-    measured slow goes chunked one round in REPROBE_EVERY, then in twice as many each time."""
-    from gateway.chunking import REPROBE_EVERY, ChunkSizer
+    measured slow goes chunked one round in REPROBE_EVERY, PROBES times, then in twice as
+    many each time."""
+    from gateway.chunking import PROBES, REPROBE_EVERY, ChunkSizer
     costs, sizer = _trapped(), ChunkSizer()
     assert choose_chunks(1024, "auto", costs)[0] == 1024
     assert choose_chunks(1024, "auto", costs, price_compute=False)[0] == 128
-    got = [sizer.choose(1024, "auto", costs)[0] for _ in range(REPROBE_EVERY * 7)]
-    chunked = [i + 1 for i, size in enumerate(got) if size != 1024]
-    assert chunked == [REPROBE_EVERY, 3 * REPROBE_EVERY, 7 * REPROBE_EVERY]  # gaps 4, 8, 16
-    assert {got[i - 1] for i in chunked} == {128} and sizer.reprobes == 3
+    got = [sizer.choose(1024, "auto", costs)[0] for _ in range(REPROBE_EVERY * (PROBES + 6))]
+    ch = [i + 1 for i, size in enumerate(got) if size != 1024]
+    gaps = [b - a for a, b in zip([0] + ch, ch)]
+    assert gaps == [REPROBE_EVERY] * PROBES + [2 * REPROBE_EVERY, 4 * REPROBE_EVERY]
+    assert {got[i - 1] for i in ch} == {128} and sizer.reprobes == PROBES + 2
     # the re-probe measured the sizes as fast as the whole part: the model chunks on its
     # own, and a later trap starts over at REPROBE_EVERY
     for rows in (32, 64, 128, 256, 512):

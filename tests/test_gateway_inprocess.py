@@ -286,3 +286,36 @@ def test_replies_that_faulted_in_fresh_memory_are_not_measured():
     finally:
         pool.close()
         fw.close()
+
+
+def test_each_workers_sizer_cuts_its_part():
+    """A round asks each worker's ChunkSizer (gateway/chunking.py) for its part's chunk size,
+    with the part's rows and the pool's setting, and cuts the part where it says; the
+    output is the same."""
+    from gateway.chunking import ChunkSizer
+    secret = secret_of_session()
+    fws = [FakeWorker([0, 1], d_model=D, secret=secret), FakeWorker([2, 3], d_model=D, secret=secret)]
+    router = Router(D, E, K, seed=3)
+    pool = WorkerPool([f.url for f in fws], router, max_batch_tokens=256, timeout=5, connect_timeout=5,
+                      secret=secret, chunk_rows=64)
+    asked = []
+
+    class Threes(ChunkSizer):
+        def choose(self, rows, setting, costs, groups=None):
+            asked.append((rows, setting))
+            return 3, 1
+
+    try:
+        for w in pool.workers:
+            w.chunk_sizer = Threes()
+        x = tokens(17)
+        out, st = pool.forward(x)
+        np.testing.assert_allclose(out, fake_layer_output(x, router.route(x)), rtol=1e-5)
+        rows = [f.rows for f in fws]
+        assert sorted(asked) == sorted((n, 64) for n in rows if n) and sum(rows) == 17 * K
+        # at most 3 rows a message (64 would have sent each part whole)
+        assert st.messages == sum(f.forwards for f in fws) >= sum(-(-n // 3) for n in rows) > len(asked)
+    finally:
+        pool.close()
+        for f in fws:
+            f.close()
