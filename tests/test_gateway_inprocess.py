@@ -315,6 +315,7 @@ def test_each_workers_sizer_cuts_its_part():
         assert sorted(asked) == sorted((n, 64) for n in rows if n) and sum(rows) == 17 * K
         # at most 3 rows a message (64 would have sent each part whole)
         assert st.messages == sum(f.forwards for f in fws) >= sum(-(-n // 3) for n in rows) > len(asked)
+        assert [s["chunk_reprobes"] for s in pool.stats()] == [0, 0]  # what a gateway ping shows
     finally:
         pool.close()
         for f in fws:
