@@ -454,8 +454,9 @@ class RoundBook:
             if base:
                 rnd.rows[w] = base
                 rnd.groups[w] = self._part_groups(rnd, w)
-                costs = self.workers[w].chunk_costs
-                size, edge = self.workers[w].chunk_sizer.choose(base, self.chunk_rows, costs, rnd.groups[w])
+                link = self.workers[w]
+                costs = link.chunk_costs
+                size, edge = link.chunk_sizer.choose(base, self.chunk_rows, costs, rnd.groups[w])
                 rnd.bounds[w] = split_part(rnd.groups[w], base, size, costs.ramp_growth(base), edge)
         # auto: the size model would chunk this round; measured costs say whether to
         rnd.eligible = self.chunk_rows == "auto" and rnd.chunked
