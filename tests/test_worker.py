@@ -418,3 +418,66 @@ def test_a_failing_expert_costs_its_request_only(compute_thread):
         daemon.request_stop()
         runner.join(15)
     assert not runner.is_alive()
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_forwards_waiting_behind_one_are_read_before_it_computes(backend):
+    """On the loop thread (shm's default), the forwards already waiting when one is taken are
+    read and checked before it computes, not between two products: a bad one among them is
+    refused, and a ping answered, before the batches ahead of them are; every batch is still
+    computed once, in the order sent, and the busy spans (t_in, t_out) never overlap."""
+    import threading
+
+    from workers.daemon import WorkerDaemon
+
+    gate = threading.Event()
+
+    class Gated(SwiGLUExpert):
+        def forward(self, x, out):
+            if x.size and x[0, 0] == 4321.0:
+                assert gate.wait(10)  # holds the worker in its first batch while the rest arrive
+            return super().forward(x, out)
+
+    experts = {e: Gated.from_seed(e, D, F, seed=SEED, max_tokens=MAX_TOKENS) for e in (0, 1)}
+    daemon = WorkerDaemon(experts, listen_url(backend), max_tokens=MAX_TOKENS, secret=secret(),
+                          compute_thread=False, drain_idle=0.05)
+    runner = threading.Thread(target=daemon.serve, daemon=True)
+    runner.start()
+    c = transport.connect(daemon.url, slot_size=1 << 16, nslots=8, timeout=10.0, secret=secret())
+    try:
+        groups = [(0, 0, 8), (1, 8, 8)]
+        xs = [_tokens(16, seed=20 + i) for i in range(4)]
+        xs[0][0, 0] = 4321.0
+
+        def send(rid, x, g):
+            slot = c.alloc(x.nbytes)
+            np.copyto(slot.array(x.dtype, x.shape), x)
+            c.send(P.forward_request(rid, x.shape, x.dtype, g), [slot], timeout=10.0)
+
+        send(0, xs[0], groups)
+        assert wait_until(lambda: daemon.in_flight == 1, timeout=5)  # computing, held at the gate
+        send(1, xs[1], groups)
+        send(2, xs[2], [(0, 0, 8), (9, 8, 8)])  # expert 9 is not hosted: refused
+        c.send(P.request(P.PING, 3), timeout=10.0)
+        send(4, xs[3], groups)
+        gate.set()
+        order, spans = [], {}
+        for _ in range(5):
+            with c.recv(timeout=10.0) as msg:
+                h = msg.header
+                order.append((h["op"], h["id"]))
+                if h["op"] == P.RESULT:
+                    x = xs[{0: 0, 1: 1, 4: 3}[h["id"]]]
+                    np.testing.assert_allclose(msg.array(0, np.float32, x.shape), _expected(x, groups),
+                                               rtol=1e-5, atol=1e-6)
+                    spans[h["id"]] = (h["t_in"], h["t_out"])
+        assert order == [(P.RESULT, 0), (P.ERROR, 2), (P.PONG, 3), (P.RESULT, 1), (P.RESULT, 4)]
+        (a0, b0), (a1, b1), (a4, b4) = spans[0], spans[1], spans[4]
+        assert a0 <= b0 <= a1 <= b1 <= a4 <= b4
+        assert daemon.stats.errors == {P.UNKNOWN_EXPERT: 1}
+        assert wait_until(lambda: daemon.in_flight == 0, timeout=5)
+    finally:
+        c.close()
+        daemon.request_stop()
+        runner.join(15)
+    assert not runner.is_alive()

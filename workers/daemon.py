@@ -17,7 +17,9 @@ Where the transport moves bytes on the caller's thread (tcp: the socket copies),
 experts compute on a thread of their own (workers/compute.py), so the loop keeps reading the
 next batch into its slots and writing replies while one computes; batches are still computed
 one at a time, in the order they came. Elsewhere (shm, rdma: the bytes are already where
-they land) the loop computes itself, without a hand-off per batch.
+they land) the loop computes itself, without a hand-off per batch, and reads the forwards
+already waiting behind the one it takes before computing it (a chunked round's next chunks):
+the Python between two products runs cold, and less of it runs there.
 
 Experts are keyed by (layer, id) (workers/loading.py builds them from a checkpoint or demo
 weights); a forward names its layer (absent: layer 0). ``info`` tells the gateway what this
@@ -49,6 +51,7 @@ log = logging.getLogger("moe.worker")
 MIN_SLOT_SIZE = 64 << 10
 PEER_NSLOTS = 64  # the most slots (credits) a gateway may make us keep for it
 PREPARED = 2  # forwards at the compute thread at once: one computing, the next one ready
+PREPARE_AHEAD = 8  # forwards already waiting that are parsed with the one taken (no compute thread)
 __all__ = ["WorkerDaemon", "WorkerStats", "ExpertCounters", "slot_size_for", "MAX_VERSIONS"]
 
 
@@ -163,6 +166,7 @@ class WorkerDaemon:
             compute_thread = transport.caller_moves_bytes(self.url)
         self._compute = ComputeThread(self.loop.call_soon_threadsafe) if compute_thread else None
         self._queued: deque = deque()  # forwards taken, not yet handed to the compute thread
+        self._ahead: Optional[list] = None  # forwards parsed ahead, while one is being taken (_take_waiting)
 
     # -- what others read ------------------------------------------------------
     @property
@@ -291,67 +295,80 @@ class WorkerDaemon:
         self.loop.send(conn, P.error_reply(rid, code, message))
 
     def _forward(self, conn, msg) -> None:
-        t_in = time.perf_counter()
-        self.in_flight += 1
-        handed = False  # to the compute thread, which then releases msg and counts it out
+        job = self._prepare(conn, msg)  # a RequestError is the caller's to answer (_handle)
+        if self._compute is not None:
+            self._queued.append((conn, job))
+            self._start_queued()
+            return
+        if self._ahead is not None:  # taken by _take_waiting, behind another forward
+            self._ahead.append(job)
+            return
+        self._ahead = [job]
         try:
-            batch = P.parse_forward(msg.header, [b.nbytes for b in msg.buffers], dtype=self.dtype,
-                                    d_model=self.d_model, max_rows=self.max_tokens,
-                                    layers=self.layers, need_groups=True)
-            shape = (batch.rows, self.d_model)
-            if batch.nbytes > conn.max_message:
-                raise P.RequestError(P.OVERSIZED, f"the reply ({batch.nbytes} bytes) exceeds this "
-                                                  f"connection's slot size ({conn.max_message})")
-            x = msg.array(0, self.dtype, shape) if batch.rows else np.empty(shape, self.dtype)
-            layer = batch.layer
-            kernels = self.versions.pick(layer, batch.groups)  # RequestError for a version not held
-
-            def compute(view: memoryview, took: float) -> dict:
-                y = np.frombuffer(view, dtype=self.dtype, count=batch.rows * self.d_model).reshape(shape)
-                t0 = time.perf_counter()
-                per_expert = []
-                for (e, start, count, _), ex in zip(batch.groups, kernels):
-                    if count == 0:
-                        continue
-                    c = self.stats.experts[(layer, e)]
-                    t = time.perf_counter()
-                    try:
-                        ex.forward(x[start:start + count], y[start:start + count])
-                    except Exception as err:  # a compute failure is this request's, not the worker's
-                        c.errors += 1
-                        raise P.RequestError(P.INTERNAL, f"expert {e} failed: {err}") from None
-                    dt = time.perf_counter() - t
-                    c.tokens += count
-                    c.batches += 1
-                    c.observe(dt)
-                    per_expert.append([e, count, dt])
-                compute_s = time.perf_counter() - t0
-                reply = P.result_reply(batch.request_id, shape, self.dtype, compute_s=compute_s,
-                                       experts=per_expert, cpu_s=time.process_time(),
-                                       flt=resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
-                                       t_in=took, t_out=time.perf_counter())
-                pinned = sorted({(e, v) for e, _, n, v in batch.groups if v is not None and n})
-                if pinned:
-                    reply["versions"] = [[e, v] for e, v in pinned]
-                return reply
-
-            if self._compute is not None:
-                self._queued.append((conn, msg, batch.nbytes, compute, t_in))
-                handed = True
-                self._start_queued()
-                return
-
-            def fill(view: memoryview) -> dict:
-                reply = compute(view, t_in)
-                msg.release()  # inputs consumed: give the sender its slot back before we reply
-                return reply
-
-            self.loop.reply(conn, batch.nbytes, fill)
-            self._served_batch(t_in)
+            self._take_waiting(conn)
         finally:
-            if not handed:
-                msg.release()
-                self.in_flight -= 1
+            jobs, self._ahead = self._ahead, None
+            for i, j in enumerate(jobs):
+                self._answer(conn, j, first=i == 0)
+
+    def _take_waiting(self, conn) -> None:
+        """Parse the forwards already waiting behind the one taken, before it computes.
+
+        Between two computes the worker runs cold: a matrix product evicts the interpreter's
+        code and data, and the first Python after one ran 10-20x its warm speed here (a
+        dict of four keys: 130 us after 3500 rows, 7 us warm). Each message read and checked
+        in that gap is dear: a chunked round's next chunks are in by then, so they are read
+        now, warm, and the gap is the reply's send and the next product's start. Anything
+        else that waits (a ping, a load) is answered now, ahead of those replies: replies
+        carry their request's id, not their place."""
+        while len(self._ahead) <= PREPARE_AHEAD:
+            msg = self.loop.take_waiting(conn)
+            if msg is None:
+                return
+            self._handle(conn, msg)
+
+    def _prepare(self, conn, msg) -> "_Forward":
+        """Check one forward and bind its experts (a version it pins is looked up now: a
+        retire that comes after it does not pull the weights from under it)."""
+        t_in = time.perf_counter()
+        batch = P.parse_forward(msg.header, [b.nbytes for b in msg.buffers], dtype=self.dtype,
+                                d_model=self.d_model, max_rows=self.max_tokens,
+                                layers=self.layers, need_groups=True)
+        shape = (batch.rows, self.d_model)
+        if batch.nbytes > conn.max_message:
+            raise P.RequestError(P.OVERSIZED, f"the reply ({batch.nbytes} bytes) exceeds this "
+                                              f"connection's slot size ({conn.max_message})")
+        x = msg.array(0, self.dtype, shape) if batch.rows else np.empty(shape, self.dtype)
+        kernels = self.versions.pick(batch.layer, batch.groups)  # RequestError for a version not held
+        reply = P.result_reply(batch.request_id, shape, self.dtype)  # built warm; timings filled in after
+        pinned = sorted({(e, v) for e, _, n, v in batch.groups if v is not None and n})
+        if pinned:
+            reply["versions"] = [[e, v] for e, v in pinned]
+        counters = [self.stats.experts[(batch.layer, e)] for e, _, _, _ in batch.groups]
+        self.in_flight += 1
+        return _Forward(msg, batch, x, kernels, counters, reply, t_in)
+
+    def _answer(self, conn, job: "_Forward", first: bool = True) -> None:
+        """Compute one prepared forward into a send slot and send it (or its error)."""
+        # t_in: when it was taken up; a forward parsed ahead is taken up only now
+        took = job.t_in if first else time.perf_counter()
+
+        def fill(view: memoryview) -> dict:
+            reply = job.compute(view, took)
+            job.msg.release()  # inputs consumed: give the sender its slot back before we reply
+            return reply
+
+        try:
+            if self.loop.reply(conn, job.batch.nbytes, fill):
+                self._served_batch(took)
+        except P.RequestError as e:
+            self._reply_error(conn, job.msg, job.batch.request_id, e.code, e.message)
+        except Exception as e:  # a bug must cost one request, never the worker
+            log.exception("request %r failed", job.batch.request_id)
+            self._reply_error(conn, job.msg, job.batch.request_id, P.INTERNAL, f"{type(e).__name__}: {e}")
+        finally:
+            job.msg.release()
+            self.in_flight -= 1
 
     def _served_batch(self, t_in: float) -> None:
         self.stats.batches += 1
@@ -365,10 +382,11 @@ class WorkerDaemon:
         while self._queued and self._compute.queued < PREPARED:
             self._submit(*self._queued.popleft())
 
-    def _submit(self, conn, msg, nbytes: int, compute, t_in: float) -> None:
+    def _submit(self, conn, job: "_Forward") -> None:
         """Hand one parsed forward to the compute thread, with its reply's buffer (taken
         here: the connection is the loop thread's)."""
-        buf = self.loop.reply_buffer(conn, nbytes)
+        msg = job.msg
+        buf = self.loop.reply_buffer(conn, job.batch.nbytes)
         if buf is None:  # the connection is gone: nobody to answer
             msg.release()
             self.in_flight -= 1
@@ -378,17 +396,17 @@ class WorkerDaemon:
         def run() -> dict:
             # t_in is when the compute thread took it: the gateway reads t_out - t_in as the
             # worker's busy time, and time spent queued behind another batch is not that
-            return compute(view, time.perf_counter())
+            return job.compute(view, time.perf_counter())
 
         def done(reply, err) -> None:
             msg.release()  # inputs consumed: give the sender its slot back before we reply
             self.in_flight -= 1
             if err is None:
                 self.loop.send(conn, reply, [buf])
-                self._served_batch(t_in)
+                self._served_batch(job.t_in)
             else:
                 self.loop.discard([buf])
-                rid = P.request_id_of(msg.header)
+                rid = job.batch.request_id
                 if isinstance(err, P.RequestError):
                     self._reply_error(conn, msg, rid, err.code, err.message)
                 else:  # a bug must cost one request, never the worker
@@ -411,3 +429,44 @@ class WorkerDaemon:
         return {"op": P.PONG, "id": rid, "experts": self.expert_ids(), "versions": self.versions.table(),
                 "in_flight": self.in_flight, "draining": self._draining, "counters": self.stats.as_dict(),
                 "cpu_s": time.process_time(), "pid": os.getpid()}
+
+
+class _Forward:
+    """One checked forward: its input where it landed, its experts, its reply's header."""
+
+    __slots__ = ("msg", "batch", "x", "kernels", "counters", "reply", "t_in")
+
+    def __init__(self, msg, batch: P.ForwardBatch, x: np.ndarray, kernels: list, counters: list,
+                 reply: dict, t_in: float) -> None:
+        self.msg, self.batch, self.x, self.kernels = msg, batch, x, kernels
+        self.counters, self.reply, self.t_in = counters, reply, t_in
+
+    def compute(self, view: memoryview, took: float) -> dict:
+        """Run every expert group into ``view``; the reply header (``took``: when it was
+        taken up, the worker's clock)."""
+        batch, x = self.batch, self.x
+        y = np.frombuffer(view, dtype=x.dtype, count=x.size).reshape(x.shape)
+        t0 = time.perf_counter()
+        per_expert = []
+        for (e, start, count, _), ex, c in zip(batch.groups, self.kernels, self.counters):
+            if count == 0:
+                continue
+            t = time.perf_counter()
+            try:
+                ex.forward(x[start:start + count], y[start:start + count])
+            except Exception as err:  # a compute failure is this request's, not the worker's
+                c.errors += 1
+                raise P.RequestError(P.INTERNAL, f"expert {e} failed: {err}") from None
+            dt = time.perf_counter() - t
+            c.tokens += count
+            c.batches += 1
+            c.observe(dt)
+            per_expert.append([e, count, dt])
+        reply = self.reply
+        reply["compute_s"] = time.perf_counter() - t0
+        reply["experts"] = per_expert
+        reply["cpu_s"] = time.process_time()
+        reply["flt"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        reply["t_in"] = took
+        reply["t_out"] = time.perf_counter()
+        return reply

@@ -376,20 +376,9 @@ class ServeLoop:
     def _serve(self, conn, served: _Served) -> None:
         handle = served.site.on_message
         for _ in range(self.batch):
-            if conn not in self._served:
+            msg = self.take_waiting(conn)
+            if msg is None:
                 return
-            try:
-                msg = conn.recv(timeout=0)
-            except Timeout:
-                return
-            except ProtocolError as e:
-                self.stats.protocol_errors += 1
-                self.close_connection(conn, f"protocol error: {e}")
-                return
-            except ConnectionClosed as e:
-                self.close_connection(conn, str(e))
-                return
-            served.last = time.monotonic()
             try:
                 handle(conn, msg)
             except Exception as e:  # a bug handling one peer's message costs that peer only
@@ -397,6 +386,28 @@ class ServeLoop:
                 msg.release()
                 self.close_connection(conn, f"internal error: {type(e).__name__}: {e}")
                 return
+
+    def take_waiting(self, conn) -> Optional[Any]:
+        """The next message ``conn`` holds, taken without waiting, or None: nothing is there,
+        or the connection failed (then closed here, and counted as :meth:`run_once` would).
+        A handler may take what waits behind the message it handles (a worker parses the
+        forwards queued behind one before it computes)."""
+        served = self._served.get(conn)
+        if served is None:
+            return None
+        try:
+            msg = conn.recv(timeout=0)
+        except Timeout:
+            return None
+        except ProtocolError as e:
+            self.stats.protocol_errors += 1
+            self.close_connection(conn, f"protocol error: {e}")
+            return None
+        except ConnectionClosed as e:
+            self.close_connection(conn, str(e))
+            return None
+        served.last = time.monotonic()
+        return msg
 
     # -- accepting ---------------------------------------------------------------------------
     def _accept(self, site: _Site) -> None:
