@@ -118,20 +118,28 @@ class DispatchPlan:
             n_experts = int(idx.max()) + 1 if valid.any() else 0
         elif valid.any() and idx.max() >= n_experts:
             raise ValueError(f"expert id {int(idx.max())} >= n_experts={n_experts}")
-        tok, slot = np.nonzero(valid)
-        wk = assign[tok, slot].astype(np.int64)
+        # flat positions (token * k + slot): 1-D gathers, and none at all for the common batch
+        # that dropped nothing
+        flat_idx, flat_assign = idx.reshape(-1), assign.reshape(-1)
+        if valid.all():
+            pos = np.arange(T * k, dtype=np.intp)
+            wk, ex = flat_assign.astype(np.int64), flat_idx.astype(np.int64)
+        else:
+            pos = np.flatnonzero(valid)
+            wk, ex = flat_assign[pos].astype(np.int64), flat_idx[pos].astype(np.int64)
         if wk.size and (wk.min() < 0 or wk.max() >= n_workers):
             raise ValueError(f"worker index out of range [0, {n_workers}) in worker_of_assignment")
-        ex = idx[tok, slot].astype(np.int64)
-        # by worker, then expert, then token: np.nonzero gave the tokens ascending, so a
+        # by worker, then expert, then token: positions ascend, tokens with them, so a
         # stable sort on (worker, expert) keeps them so (a radix sort on 16-bit keys)
         key = wk * n_experts + ex
         if n_workers * max(n_experts, 1) < np.iinfo(np.int16).max:
             key = key.astype(np.int16)
         order = np.argsort(key, kind="stable")
+        at = pos[order]
+        tokens, slots = np.divmod(at, k) if k > 1 else (at, np.zeros_like(at))
         return cls(num_tokens=T, top_k=k, n_workers=int(n_workers), n_experts=int(n_experts),
-                   tokens=tok[order].astype(np.intp), slots=slot[order],
-                   experts=ex[order], weights=wts[tok, slot][order].astype(np.float32),
+                   tokens=tokens.astype(np.intp), slots=slots,
+                   experts=ex[order], weights=wts.reshape(-1)[at].astype(np.float32),
                    workers=wk[order])
 
     # -- per worker ---------------------------------------------------------
