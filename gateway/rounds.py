@@ -544,13 +544,22 @@ class RoundBook:
             return f"worker {w.url}: no send slot ({e})"
         t0 = time.perf_counter()
         block = slot.array(self.dtype, (rows, self.d_model))
-        for r in rnd.requests:
-            base = r.bases.get(w.index)
-            if base is None:
-                continue
-            a, b = max(base, lo), min(base + r.plan.worker_tokens(w.index), hi)
-            if a < b:
-                r.plan.gather_into(r.x, w.index, block[a - lo:b - lo], rows=(a - base, b - base))
+        try:
+            for r in rnd.requests:
+                base = r.bases.get(w.index)
+                if base is None:
+                    continue
+                a, b = max(base, lo), min(base + r.plan.worker_tokens(w.index), hi)
+                if a >= b:
+                    continue
+                if r.round is rnd and r.x is not None:
+                    r.plan.gather_into(r.x, w.index, block[a - lo:b - lo], rows=(a - base, b - base))
+                else:  # it left the round (failed, or retried elsewhere) while this chunk waited,
+                    # and may be released: nobody reads these rows' outputs
+                    block[a - lo:b - lo] = 0
+        except BaseException:
+            slot.release()
+            raise
         t1 = time.perf_counter()
         whole = rows == rnd.rows[w.index]
         groups = rnd.groups[w.index] if whole else chunk_groups(rnd.groups[w.index], lo, hi)

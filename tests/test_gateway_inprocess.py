@@ -320,3 +320,30 @@ def test_each_workers_sizer_cuts_its_part():
         pool.close()
         for f in fws:
             f.close()
+
+
+def test_a_request_that_fails_while_its_chunks_wait_costs_the_others_nothing(caplog):
+    """A request fails on one worker while its round's chunks for another worker still wait
+    in the backlog for credits, and is released (its input gone) before they go. They go
+    without its rows: the other worker keeps every send slot and the next request is served.
+    (Gathering a released request's rows raised on every pump, a send slot lost each time,
+    until that worker could take nothing.)"""
+    s = _stack([[0, 1], [2, 3]], chunk_rows=1, nslots=2)
+    try:
+        s.workers[0].fail = True  # an error reply: the request fails (no replica to retry on)
+        s.workers[1].delay = 0.05  # two of its 1-row chunks in flight, the rest waiting
+        x = tokens(16, 0)
+        idx = s.router.route(x).topk_idx
+        assert (idx < 2).any() and (idx >= 2).sum() > 4  # rows on both, and a backlog on worker 1
+        pool = tokens(400, 1)
+        only_1 = pool[(s.router.route(pool).topk_idx >= 2).all(axis=1)][:6]  # rows for worker 1 alone
+        assert len(only_1) == 6
+        with GatewayClient(s.server.url, timeout=10) as c:
+            with pytest.raises(P.RemoteError) as e:
+                c.forward(x)
+            assert "fake failure" in e.value.message
+            np.testing.assert_allclose(c.forward(only_1), s.expected(only_1), rtol=1e-5, atol=1e-6)
+        assert s.workers[1].rows >= (idx >= 2).sum()  # the failed round's chunks all went
+        assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    finally:
+        s.close()
