@@ -356,6 +356,10 @@ class RoundBook:
         self._sums(rnd)
         rnd.stats.dispatch_s = time.perf_counter() - t
         rnd.sent_at = time.perf_counter()
+        if self.chunk_rows == "auto":  # the next round's chunk sizes, while the workers compute
+            for w, rows in rnd.rows.items():
+                link = self.workers[w]
+                link.chunk_sizer.prepare(rows, "auto", link.chunk_costs, rnd.groups[w])
         self._check_settled(rnd)
         return rnd
 

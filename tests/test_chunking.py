@@ -124,6 +124,28 @@ def test_sizer_reprobes_nothing_that_messages_price_out():
     assert sizer.reprobes == 0
 
 
+def test_sizer_takes_a_choice_made_ahead_once_for_rows_of_its_half_octave():
+    """A round's messages out, the sizer chooses for the next part from this one, so the
+    next plan only cuts; the choice is the model's for those rows, used once, and only by a
+    part of about as many rows. A whole part ahead never makes a larger part chunk."""
+    from gateway.chunking import ChunkSizer
+    rows, idle, msg = 1024, 0.1, 1e-3
+    costs, sizer = _costs(msg, {rows: 1e-3}, idle), ChunkSizer()
+    want = choose_chunks(rows, "auto", costs)
+    assert want[0] == 128
+    sizer.prepare(rows, "auto", costs)
+    dear = _costs(1.0, {rows: 1e-3}, idle)  # messages a second each: the model now sends whole
+    assert choose_chunks(1100, "auto", dear)[0] == 1100
+    assert sizer.choose(1100, "auto", dear) == want and sizer.ahead_used == 1  # the choice made ahead
+    assert sizer.choose(1100, "auto", dear)[0] == 1100  # used once: chosen again, at the round
+    sizer.prepare(rows, "auto", costs)
+    assert sizer.choose(4096, "auto", dear)[0] == 4096 and sizer.ahead_used == 1  # another half octave
+    sizer.prepare(rows, "auto", dear)  # whole ahead ...
+    assert sizer.choose(1100, "auto", costs) == (1100, 1100) and sizer.ahead_used == 2  # ... stays whole
+    sizer.prepare(rows, "auto", costs)
+    assert sizer.choose(1100, 256, costs) == choose_chunks(1100, 256, costs)  # a fixed size: as set
+
+
 def test_idle_time_is_the_least_of_recent_whole_rounds():
     """A worker's first rounds (its slots touched for the first time) run far longer than
     the rest, and once auto chunks only its probes go whole: the first rounds must not size
