@@ -2,6 +2,7 @@
 serving, and the SIGTERM drain. Runs on tcp and shm (shm FAILS while it does not import)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -86,6 +87,34 @@ def _forward(c, rid, x, groups):
         return msg.array(0, np.float32, x.shape).copy(), msg.header
     finally:
         msg.release()
+
+
+@contextlib.contextmanager
+def _daemon_in_thread(expert_cls, url, *, compute_thread, nslots=4):
+    """A WorkerDaemon of ``expert_cls`` experts 0 and 1, serving on a thread of this process,
+    and a connection to it; stopped (and checked stopped) after."""
+    import threading
+
+    from workers.daemon import WorkerDaemon
+    experts = {e: expert_cls.from_seed(e, D, F, seed=SEED, max_tokens=MAX_TOKENS) for e in (0, 1)}
+    daemon = WorkerDaemon(experts, url, max_tokens=MAX_TOKENS, secret=secret(),
+                          compute_thread=compute_thread, drain_idle=0.05)
+    runner = threading.Thread(target=daemon.serve, daemon=True)
+    runner.start()
+    c = transport.connect(daemon.url, slot_size=1 << 16, nslots=nslots, timeout=10.0, secret=secret())
+    try:
+        yield daemon, c
+    finally:
+        c.close()
+        daemon.request_stop()
+        runner.join(15)
+    assert not runner.is_alive()
+
+
+def _send_forward(c, rid, x, groups):
+    slot = c.alloc(x.nbytes)
+    np.copyto(slot.array(x.dtype, x.shape), x)
+    c.send(P.forward_request(rid, x.shape, x.dtype, groups), [slot], timeout=10.0)
 
 
 def _tokens(n, seed=0, d=D):
@@ -375,30 +404,18 @@ def test_weights_file_and_cli_errors(tmp_path):
 def test_a_failing_expert_costs_its_request_only(compute_thread):
     """An expert that raises while computing: that batch gets an INTERNAL error reply, the
     batches around it are answered, the worker keeps serving (on either thread)."""
-    import threading
-
-    from workers.daemon import WorkerDaemon
-
     class Flaky(SwiGLUExpert):
         def forward(self, x, out):
             if x.size and x[0, 0] == 1234.0:
                 raise FloatingPointError("poisoned input")
             return super().forward(x, out)
 
-    experts = {e: Flaky.from_seed(e, D, F, seed=SEED, max_tokens=MAX_TOKENS) for e in (0, 1)}
-    daemon = WorkerDaemon(experts, "tcp://127.0.0.1:0", max_tokens=MAX_TOKENS, secret=secret(),
-                          compute_thread=compute_thread, drain_idle=0.05)
-    runner = threading.Thread(target=daemon.serve, daemon=True)
-    runner.start()
-    c = transport.connect(daemon.url, slot_size=1 << 16, nslots=4, timeout=10.0, secret=secret())
-    try:
+    with _daemon_in_thread(Flaky, "tcp://127.0.0.1:0", compute_thread=compute_thread) as (daemon, c):
         groups = [(0, 0, 8), (1, 8, 8)]
         xs = [_tokens(16, seed=i) for i in range(3)]
         xs[1][8, 0] = 1234.0  # expert 1's first row
         for i, x in enumerate(xs):
-            slot = c.alloc(x.nbytes)
-            np.copyto(slot.array(x.dtype, x.shape), x)
-            c.send(P.forward_request(i, x.shape, x.dtype, groups), [slot], timeout=10.0)
+            _send_forward(c, i, x, groups)
         replies = {}
         for _ in xs:
             with c.recv(timeout=10.0) as msg:
@@ -413,11 +430,6 @@ def test_a_failing_expert_costs_its_request_only(compute_thread):
         assert daemon.stats.experts[(0, 1)].errors == 1
         # the loop thread counts a batch out after its reply went (the client may be first)
         assert wait_until(lambda: daemon.in_flight == 0, timeout=5)
-    finally:
-        c.close()
-        daemon.request_stop()
-        runner.join(15)
-    assert not runner.is_alive()
 
 
 @pytest.mark.parametrize("backend", ["shm", "tcp"])
@@ -428,8 +440,6 @@ def test_forwards_waiting_behind_one_are_read_before_it_computes(backend):
     computed once, in the order sent, and the busy spans (t_in, t_out) never overlap."""
     import threading
 
-    from workers.daemon import WorkerDaemon
-
     gate = threading.Event()
 
     class Gated(SwiGLUExpert):
@@ -438,28 +448,16 @@ def test_forwards_waiting_behind_one_are_read_before_it_computes(backend):
                 assert gate.wait(10)  # holds the worker in its first batch while the rest arrive
             return super().forward(x, out)
 
-    experts = {e: Gated.from_seed(e, D, F, seed=SEED, max_tokens=MAX_TOKENS) for e in (0, 1)}
-    daemon = WorkerDaemon(experts, listen_url(backend), max_tokens=MAX_TOKENS, secret=secret(),
-                          compute_thread=False, drain_idle=0.05)
-    runner = threading.Thread(target=daemon.serve, daemon=True)
-    runner.start()
-    c = transport.connect(daemon.url, slot_size=1 << 16, nslots=8, timeout=10.0, secret=secret())
-    try:
+    with _daemon_in_thread(Gated, listen_url(backend), compute_thread=False, nslots=8) as (daemon, c):
         groups = [(0, 0, 8), (1, 8, 8)]
         xs = [_tokens(16, seed=20 + i) for i in range(4)]
         xs[0][0, 0] = 4321.0
-
-        def send(rid, x, g):
-            slot = c.alloc(x.nbytes)
-            np.copyto(slot.array(x.dtype, x.shape), x)
-            c.send(P.forward_request(rid, x.shape, x.dtype, g), [slot], timeout=10.0)
-
-        send(0, xs[0], groups)
+        _send_forward(c, 0, xs[0], groups)
         assert wait_until(lambda: daemon.in_flight == 1, timeout=5)  # computing, held at the gate
-        send(1, xs[1], groups)
-        send(2, xs[2], [(0, 0, 8), (9, 8, 8)])  # expert 9 is not hosted: refused
+        _send_forward(c, 1, xs[1], groups)
+        _send_forward(c, 2, xs[2], [(0, 0, 8), (9, 8, 8)])  # expert 9 is not hosted: refused
         c.send(P.request(P.PING, 3), timeout=10.0)
-        send(4, xs[3], groups)
+        _send_forward(c, 4, xs[3], groups)
         gate.set()
         order, spans = [], {}
         for _ in range(5):
@@ -476,8 +474,3 @@ def test_forwards_waiting_behind_one_are_read_before_it_computes(backend):
         assert a0 <= b0 <= a1 <= b1 <= a4 <= b4
         assert daemon.stats.errors == {P.UNKNOWN_EXPERT: 1}
         assert wait_until(lambda: daemon.in_flight == 0, timeout=5)
-    finally:
-        c.close()
-        daemon.request_stop()
-        runner.join(15)
-    assert not runner.is_alive()
