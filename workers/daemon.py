@@ -51,7 +51,7 @@ log = logging.getLogger("moe.worker")
 MIN_SLOT_SIZE = 64 << 10
 PEER_NSLOTS = 64  # the most slots (credits) a gateway may make us keep for it
 PREPARED = 2  # forwards at the compute thread at once: one computing, the next one ready
-PREPARE_AHEAD = 8  # forwards already waiting that are parsed with the one taken (no compute thread)
+PREPARE_AHEAD = 8  # messages already waiting that are taken with a forward (no compute thread)
 __all__ = ["WorkerDaemon", "WorkerStats", "ExpertCounters", "slot_size_for", "MAX_VERSIONS"]
 
 
@@ -320,8 +320,9 @@ class WorkerDaemon:
         in that gap is dear: a chunked round's next chunks are in by then, so they are read
         now, warm, and the gap is the reply's send and the next product's start. Anything
         else that waits (a ping, a load) is answered now, ahead of those replies: replies
-        carry their request's id, not their place."""
-        while len(self._ahead) <= PREPARE_AHEAD:
+        carry their request's id, not their place. At most PREPARE_AHEAD messages of any
+        kind: a peer whose pings return their credits at once must not keep the worker here."""
+        for _ in range(PREPARE_AHEAD):
             msg = self.loop.take_waiting(conn)
             if msg is None:
                 return
