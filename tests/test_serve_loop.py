@@ -254,3 +254,59 @@ def test_out_of_file_descriptors_backs_off_and_recovers(tmp_path):
             proc.kill()
             _, err = proc.communicate()
     assert err.count("accept failures") <= 3, err[-2000:]  # once per interval, not per failure
+
+
+def _spin_scenario(window_at, message_after=0.05, timeout=1.0):
+    """One run_once over a socket pair whose far end is written ``message_after`` s in;
+    ``window_at(now)``: the spin window offered. Returns (wall s, this thread's CPU s,
+    loop.stats.spin_s, handled)."""
+    loop = ServeLoop()
+    a, b = socket.socketpair()
+    handled = []
+    loop.watch(a, lambda: handled.append(a.recv(16)))
+    loop.add_spin(lambda now: window_at(start))
+    start = time.monotonic()
+    timer = threading.Timer(message_after, b.send, args=(b"x",))
+    timer.start()
+    try:
+        c0 = time.thread_time()
+        loop.run_once(timeout=timeout)
+        cpu, wall = time.thread_time() - c0, time.monotonic() - start
+        return wall, cpu, loop.stats.spin_s, handled
+    finally:
+        timer.cancel()
+        timer.join(5)
+        loop.close()
+        a.close()
+        b.close()
+
+
+def test_inside_a_spin_window_the_loop_busy_polls_and_a_message_ends_it():
+    """A window around when a message is expected: the loop polls without sleeping (the
+    thread's CPU time grows with the wall time) and serves the message as it comes, without
+    waiting for the window to close."""
+    wall, cpu, spun, handled = _spin_scenario(lambda t0: (t0, t0 + 0.5))
+    assert handled == [b"x"]
+    assert 0.04 <= wall < 0.4
+    assert spun >= 0.04 and cpu >= 0.02  # a sleeping poll takes next to no CPU (below)
+
+
+def test_without_a_window_or_before_it_opens_the_loop_sleeps():
+    for window in (lambda t0: None, lambda t0: (t0 + 0.3, t0 + 0.5), lambda t0: (t0 - 1.0, t0 - 0.5)):
+        wall, cpu, spun, handled = _spin_scenario(window)
+        assert handled == [b"x"]
+        assert wall < 0.25  # woken by the message, before a later window opened
+        assert spun == 0.0 and cpu < 0.015
+
+
+def test_a_window_ends_at_the_loops_own_deadline_and_a_failing_hint_costs_only_the_spin(caplog):
+    """The spin never outlasts the loop's timeout; a hint that raises is logged and the loop
+    serves on, sleeping."""
+    wall, cpu, spun, handled = _spin_scenario(lambda t0: (t0, t0 + 10.0), message_after=5.0, timeout=0.1)
+    assert handled == [] and 0.09 <= wall < 1.0 and 0.09 <= spun < 1.0
+
+    def broken(t0):
+        raise RuntimeError("bug in a hint")
+    wall, cpu, spun, handled = _spin_scenario(broken)
+    assert handled == [b"x"] and spun == 0.0
+    assert "spin window" in caplog.text and "bug in a hint" in caplog.text

@@ -26,6 +26,11 @@ TCP_LINGER = 2.0
 #: close(): how often the linger loop looks again at the kernel's send queue
 TCP_LINGER_POLL = 0.005
 
+# -- serve loop (transport/service/loop.py) ------------------------------------------------
+#: a spin window that opens sooner than this is spun from now: a shorter sleep costs a
+#: wake-up (0.15-0.3 ms in a VM), and the message may come during it
+SPIN_SLEEP_MIN = 0.5e-3
+
 # -- shm (transport/shm.py) ---------------------------------------------------------------
 #: busy-poll this long before sleeping on the doorbell: on 2 cores a longer spin steals a core
 SHM_SPIN = 50e-6

@@ -108,6 +108,8 @@ def serve_families(stats, service: str) -> list:
                  stats.accept_backoffs),
         _counter("moe_serve_held_replies", "Replies held for a peer that could not take them at once", service,
                  stats.held_replies),
+        _counter("moe_serve_spin_seconds", "Seconds busy-polled for an expected message instead of sleeping",
+                 service, stats.spin_s),
     ]
 
 
