@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "the first while the next is in flight and replies are combined as they land; auto "
                           "(default) sizes them from each worker's measured per-message cost and compute rate, "
                           "and sends one message where chunks would not pay (gateway/chunking.py)")
+    bat.add_argument("--reply-spin", default="on", choices=["on", "off"],
+                     help="busy-poll for each worker's last outstanding reply around when its measured costs "
+                          "say it is due, while fewer workers have work than this process has processors: a "
+                          "wake-up from a sleep costs 0.15-0.3 ms in a VM (gateway/reply_clock.py); off: always sleep")
     bat.add_argument("--no-split", action="store_true", help="never split one expert's tokens over replicas")
     bat.add_argument("--batching", default="fifo", choices=["fifo", "expert-aware"],
                      help="which queued requests a round takes: the oldest first, or those sharing the round's "
@@ -291,7 +295,7 @@ def serve_main(args) -> int:
                           timeout=args.worker_timeout, connect_timeout=args.connect_timeout,
                           split_replicas=not args.no_split, secret=secret, balancing=args.balancing,
                           ack_timeout=args.update_ack_timeout, fingerprints=fingerprints,
-                          chunk_rows=args.chunk_rows)
+                          chunk_rows=args.chunk_rows, reply_spin=args.reply_spin == "on")
         if local is not None and hasattr(local, "attach"):
             local.attach(pool)
         elif local is not None:

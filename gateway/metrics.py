@@ -121,6 +121,13 @@ class GatewayMetrics:
             GaugeMetricFamily("moe_gateway_rounds_in_flight", "Rounds out at the workers",
                               value=srv.rounds_in_flight),
         ]
+        spin = pool.rounds.clock.snapshot()
+        rw = CounterMetricFamily("moe_gateway_reply_windows", "Workers' last replies the loop spun for, by when "
+                                 "each landed: inside its predicted window, before it, after it (or never)",
+                                 labels=["outcome"])
+        for outcome in ("hits", "early", "late"):
+            rw.add_metric([outcome.rstrip("s")], spin[outcome])
+        fams.append(rw)
         ec = CounterMetricFamily("moe_gateway_errors", "Error replies by code", labels=["code"])
         for code, n in sorted(list(st.errors.items())):
             ec.add_metric([str(code)], n)

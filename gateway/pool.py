@@ -44,7 +44,9 @@ class WorkerPool:
     is retried. ``secret``: the workers' shared secret (default FIND: as the services find
     it, $MOE_SECRET_FILE or the per-user default file; None: no secret). ``chunk_rows``: how
     a worker's part of a round is cut into messages ("auto", 0 for one message, or rows per
-    message; gateway/chunking.py).
+    message; gateway/chunking.py). ``reply_spin``: busy-poll for each worker's last
+    outstanding reply around when it is due, while a processor is free for it
+    (gateway/reply_clock.py).
     """
 
     def __init__(self, urls: Sequence[str], router: Router, *, dtype: Any = np.float32,
@@ -53,7 +55,7 @@ class WorkerPool:
                  secret: Any = secrets.FIND, loop: Optional[ServeLoop] = None,
                  balancing: str = "load-aware", ack_timeout: float = ACK_TIMEOUT,
                  fingerprints: Optional[Mapping[int, Optional[str]]] = None,
-                 chunk_rows: ChunkSetting = "auto") -> None:
+                 chunk_rows: ChunkSetting = "auto", reply_spin: bool = True) -> None:
         secret = secrets.for_client(secret)
         self.routers = dict(router) if isinstance(router, Mapping) else {P.DEFAULT_LAYER: router}
         if not self.routers:
@@ -93,6 +95,8 @@ class WorkerPool:
             self.close()
             raise
         self.loop.add_tick(self._tick)
+        self.rounds.clock.enabled = reply_spin
+        self.loop.add_spin(self.rounds.spin_window)
 
     # -- plumbing ------------------------------------------------------------------------------
     def _up(self, w: WorkerLink) -> None:

@@ -43,6 +43,7 @@ import numpy as np
 
 from gateway.chunking import ChunkMode, ChunkSetting, chunk_groups, parse_chunk_rows, split_part
 from gateway.dispatch import ChunkSum, DispatchPlan, split_over_replicas
+from gateway.reply_clock import ReplyClock
 from gateway.replicas import BALANCING, choose_least_loaded, choose_replicas
 from gateway.router import Routing
 from gateway.workers import WorkerLink, WorkerSet
@@ -302,6 +303,7 @@ class RoundBook:
         self.chunk_mode = ChunkMode()  # auto: chunks at all, from measured round costs
         self._msgs: dict[tuple, tuple] = {}  # (worker, message id) -> (round, chunk)
         self._backlog: dict[int, deque] = {}  # worker -> (round, chunk) its connection could not take yet
+        self.clock = ReplyClock()  # when each worker's last message is due back (the loop spins for it)
 
     # -- dispatch ------------------------------------------------------------------------------
     def dispatch(self, requests: Sequence[Request], avoid: frozenset = frozenset()) -> Optional[Round]:
@@ -572,6 +574,7 @@ class RoundBook:
         if not self.workers.send(w, header, [slot], ready=True):
             return f"worker {w.describe()} did not take round {rnd.id}"
         self._msgs[(w.index, mid)] = (rnd, c)
+        self.clock.sent(w.index, mid, rows, time.monotonic())
         rnd.msg_ids.append((w.index, mid))
         rnd.sent[w.index] += 1
         if not whole:
@@ -615,6 +618,7 @@ class RoundBook:
         """A result or error from worker ``w`` (for one of our rounds, or a late one)."""
         h = msg.header
         rid = P.request_id_of(h)
+        self.clock.replied(w.index, rid, time.monotonic())
         sent = self._msgs.get((w.index, rid))
         if sent is None or w.index not in sent[0].outstanding or (w.index, sent[1]) in sent[0].answered:
             msg.release()  # a late reply to a part that already failed (or not ours, or twice)
@@ -704,6 +708,7 @@ class RoundBook:
     def _drop_part(self, rnd: Round, w: WorkerLink) -> None:
         """Worker ``w``'s part of ``rnd`` will not be answered: its rows stop counting as load."""
         rnd.outstanding.discard(w.index)
+        self.clock.forget(w.index, [m for wi, m in rnd.msg_ids if wi == w.index])
         w.outstanding_rows -= rnd.left_rows[w.index]
         rnd.left_rows[w.index] = 0
 
@@ -768,6 +773,7 @@ class RoundBook:
                     rnd.combined()
             for key in rnd.msg_ids:  # a late reply to one of them is now unknown: released
                 self._msgs.pop(key, None)
+                self.clock.forget(key[0], (key[1],))
             self._settled.append(rnd)
 
     def _timed(self, rnd: Round, seconds: float) -> None:
@@ -790,6 +796,10 @@ class RoundBook:
         """Rounds whose every part is done since the last call (their stats are final)."""
         done, self._settled = self._settled, []
         return done
+
+    def spin_window(self, now: float) -> Optional[tuple[float, float]]:
+        """When to busy-poll for a worker's last outstanding reply (ServeLoop.add_spin)."""
+        return self.clock.window(now, lambda w: self.workers[w].chunk_costs)
 
     def next_deadline(self) -> Optional[float]:
         return min((r.deadline for r in self.rounds.values() if r.outstanding), default=None)
@@ -830,6 +840,7 @@ class RoundBook:
                 rnd.release_replies(wi)
         self.rounds = {}
         self._msgs = {}
+        self.clock.clear()
 
     def _part_failed_final(self, rnd: Round, wi: int) -> None:
         self._drop_part(rnd, self.workers[wi])

@@ -263,7 +263,7 @@ class GatewayServer:
         return {"op": P.PONG, "id": rid, "gateway": self.stats.as_dict(), "workers": pool.stats(),
                 "queued": len(self.batcher), "rounds_in_flight": pool.in_flight,
                 "cpu_s": time.process_time(), "pid": os.getpid(), "serve": self.loop.stats.as_dict(),
-                "update": pool.rollout.status(),
+                "update": pool.rollout.status(), "reply_spin": pool.rounds.clock.snapshot(),
                 "config": {"max_batch_tokens": self.max_batch_tokens,
                            "max_wait_ms": self.batcher.max_wait * 1000,
                            "max_inflight_rounds": self.batcher.max_inflight_rounds,

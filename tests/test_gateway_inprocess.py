@@ -31,13 +31,13 @@ class Stack:
     end shares ``secret`` (default: the test session's), as a deployment would."""
 
     def __init__(self, layout, *, worker_timeout=5.0, max_wait_ms=0.0, secret=b"", chunk_rows="auto", nslots=8,
-                 **server_kw):
+                 reply_spin=True, **server_kw):
         secret = secret_of_session() if secret == b"" else secret
         self.workers = [FakeWorker(ex, d_model=D, secret=secret) for ex in layout]
         self.router = Router(D, E, K, seed=3)
         self.pool = WorkerPool([w.url for w in self.workers], self.router, max_batch_tokens=256,
                                timeout=worker_timeout, connect_timeout=5, secret=secret, chunk_rows=chunk_rows,
-                               nslots=nslots)
+                               nslots=nslots, reply_spin=reply_spin)
         self.server = GatewayServer(self.pool, "tcp://127.0.0.1:0", max_wait_ms=max_wait_ms, secret=secret,
                                     **server_kw)
         self.thread = threading.Thread(target=self.server.serve, daemon=True)
@@ -345,5 +345,32 @@ def test_a_request_that_fails_while_its_chunks_wait_costs_the_others_nothing(cap
             np.testing.assert_allclose(c.forward(only_1), s.expected(only_1), rtol=1e-5, atol=1e-6)
         assert s.workers[1].rows >= (idx >= 2).sum()  # the failed round's chunks all went
         assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("spin", [True, False], ids=["spin", "sleep"])
+def test_the_loop_spins_for_a_workers_last_reply_only_when_asked(spin):
+    """A worker whose compute the gateway measured (20 ms a forward): with reply_spin, the
+    loop busy-polls in a window around when each reply is due, and never longer than the
+    windows allow; without it, it never spins. The outputs are the same either way, and the
+    gateway's ping reports the windows."""
+    from gateway.reply_clock import LEAD_MAX
+    s = _stack([[0, 1, 2, 3]], chunk_rows=0, reply_spin=spin)
+    s.pool.rounds.clock.cpus = 2  # the gateway and its one worker on two processors, wherever this runs
+    s.workers[0].compute_s = 0.02
+    try:
+        with GatewayClient(s.server.url, timeout=5) as c:
+            for seed in range(12):
+                x = tokens(17, seed)
+                np.testing.assert_allclose(c.forward(x), s.expected(x), rtol=1e-5, atol=1e-6)
+            reported = c.ping()["reply_spin"]
+        spun = s.pool.loop.stats.spin_s
+        if spin:
+            assert reported["enabled"] and reported["windows"] >= 10  # all but the first, unmeasured
+            assert reported["hits"] >= 1 and sum(reported[k] for k in ("hits", "early", "late")) <= 12
+            assert 0 < spun <= reported["windows"] * 2 * LEAD_MAX + 0.05
+        else:
+            assert not reported["enabled"] and reported["windows"] == 0 and spun == 0.0
     finally:
         s.close()

@@ -7,6 +7,8 @@ knows every output exactly (:meth:`FakeWorker.expected`). Behaviours a test may 
 any time, to exercise the gateway's failure handling without processes and signals:
 
 ``delay``        seconds to wait before answering a forward (a slow worker)
+``compute_s``    seconds each forward "computes" (sleeps, once read) and says it computed,
+                 so the gateway measures a compute rate as from a real worker
 ``hang``         never answer forwards (a stopped worker that keeps its connections)
 ``fail``         answer forwards with an ``internal`` error
 ``crash()``      close every connection at once, stop listening (a killed worker)
@@ -41,6 +43,7 @@ class FakeWorker:
         self.active = {e: 0 for e in self.experts}
         self.held = {e: {0} for e in self.experts}
         self.delay = 0.0
+        self.compute_s = 0.0
         self.hang = False
         self.fail = False
         self.forwards = 0  # forward requests received
@@ -140,6 +143,9 @@ class FakeWorker:
         shape = (batch.rows, self.d_model)
         x = msg.array(0, self.dtype, shape)
         t_in = time.perf_counter()
+        if self.compute_s:
+            time.sleep(self.compute_s)
+        computed = time.perf_counter() - t_in if self.compute_s else 0.0
 
         def fill(view: memoryview) -> dict:
             y = np.frombuffer(view, dtype=self.dtype, count=batch.rows * self.d_model).reshape(shape)
@@ -151,7 +157,7 @@ class FakeWorker:
                     versions.append([e, v])
             self.rows += batch.rows
             msg.release()
-            reply = P.result_reply(rid, shape, self.dtype, compute_s=0.0, experts=[], cpu_s=0.0, t_in=t_in,
+            reply = P.result_reply(rid, shape, self.dtype, compute_s=computed, experts=[], cpu_s=0.0, t_in=t_in,
                                    t_out=time.perf_counter())
             if versions:
                 reply["versions"] = sorted(versions)
