@@ -96,6 +96,7 @@ class WorkerPool:
             raise
         self.loop.add_tick(self._tick)
         self.rounds.clock.enabled = reply_spin
+        self.rounds.clock.local_workers = sum(secrets.is_loopback(u) for u in urls)
         self.loop.add_spin(self.rounds.spin_window)
 
     # -- plumbing ------------------------------------------------------------------------------

@@ -351,14 +351,15 @@ def test_a_request_that_fails_while_its_chunks_wait_costs_the_others_nothing(cap
 
 @pytest.mark.parametrize("spin", [True, False], ids=["spin", "sleep"])
 def test_the_loop_spins_for_a_workers_last_reply_only_when_asked(spin):
-    """A worker whose compute the gateway measured (20 ms a forward): with reply_spin, the
+    """A worker whose compute the gateway measured (0.2 ms a forward): with reply_spin, the
     loop busy-polls in a window around when each reply is due, and never longer than the
     windows allow; without it, it never spins. The outputs are the same either way, and the
     gateway's ping reports the windows."""
     from gateway.reply_clock import LEAD_MAX
     s = _stack([[0, 1, 2, 3]], chunk_rows=0, reply_spin=spin)
+    assert s.pool.rounds.clock.local_workers == 1  # on a loopback address
     s.pool.rounds.clock.cpus = 2  # the gateway and its one worker on two processors, wherever this runs
-    s.workers[0].compute_s = 0.02
+    s.workers[0].compute_s = 0.0002
     try:
         with GatewayClient(s.server.url, timeout=5) as c:
             for seed in range(12):
@@ -367,8 +368,11 @@ def test_the_loop_spins_for_a_workers_last_reply_only_when_asked(spin):
             reported = c.ping()["reply_spin"]
         spun = s.pool.loop.stats.spin_s
         if spin:
-            assert reported["enabled"] and reported["windows"] >= 10  # all but the first, unmeasured
-            assert reported["hits"] >= 1 and sum(reported[k] for k in ("hits", "early", "late")) <= 12
+            # all but the first (unmeasured) and any whose compute overshot a millisecond asleep
+            assert reported["enabled"] and reported["windows"] >= 4
+            # each accounted for when its reply landed (whether inside: the unit tests; here the
+            # fake worker shares the spinning thread's interpreter)
+            assert sum(reported[k] for k in ("hits", "early", "late")) == reported["windows"]
             assert 0 < spun <= reported["windows"] * 2 * LEAD_MAX + 0.05
         else:
             assert not reported["enabled"] and reported["windows"] == 0 and spun == 0.0
