@@ -50,6 +50,7 @@ class _Worker:
     outstanding: dict = field(default_factory=dict)  # message key -> (rows, sent at), in send order
     replied_at: float = float("-inf")  # its last reply: when it started on the next message
     window: Optional[tuple] = None  # (opens, closes) last given for its last message
+    predicted: bool = False  # for its last message as it stands (window None: it gets none)
     due: float = 0.0  # what its costs alone predicted for that message
     lags: deque = field(default_factory=lambda: deque(maxlen=LAGS))  # replies' time past that
 
@@ -77,6 +78,7 @@ class ReplyClock:
     def sent(self, worker: int, key: Hashable, rows: int, now: float) -> None:
         st = self._workers.setdefault(worker, _Worker())
         st.outstanding[key] = (rows, now)
+        st.predicted = False
         if st.window is not None:  # its last message is no longer the last
             st.window = None
             self.windows -= 1
@@ -87,6 +89,7 @@ class ReplyClock:
         if st is None or st.outstanding.pop(key, None) is None:
             return
         st.replied_at = now
+        st.predicted = False
         if st.window is not None and not st.outstanding:
             opens, closes = st.window
             st.lags.append(now - st.due)
@@ -105,6 +108,7 @@ class ReplyClock:
             return
         for key in (list(st.outstanding) if keys is None else keys):
             st.outstanding.pop(key, None)
+        st.predicted = False
         if not st.outstanding and st.window is not None:
             self.late += 1
             st.window = None
@@ -119,12 +123,12 @@ class ReplyClock:
         for w, st in self._workers.items():
             if len(st.outstanding) != 1:
                 continue
-            if st.window is None:
+            if not st.predicted:  # once per last message: the loop asks every iteration
+                st.predicted = True
                 st.window = self._predict(st, costs_of(w))
-                if st.window is None:
-                    continue
-                self.windows += 1
-            if st.window[1] > now and (best is None or st.window[0] < best[0]):
+                if st.window is not None:
+                    self.windows += 1
+            if st.window is not None and st.window[1] > now and (best is None or st.window[0] < best[0]):
                 best = st.window
         return best
 

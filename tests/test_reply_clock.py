@@ -131,3 +131,20 @@ def test_windows_move_to_where_the_replies_have_been_landing():
     assert outcomes[0] == 1  # the first window closed before it came
     assert (opens + closes) / 2 - (t - 1.0) == pytest.approx(100 * 5e-6 + 1e-3)
     assert clock.late == 1 and clock.hits == 5
+
+
+def test_each_last_message_is_predicted_once_however_often_the_loop_asks():
+    clock, costs, asked = ReplyClock(cpus=2), _costs(5e-6), []
+
+    def costs_of(w):
+        asked.append(w)
+        return costs
+    clock.sent(0, "a", 100, now=0.0)
+    clock.sent(1, "b", 10_000, now=0.0)  # computes too long: predicted once, no window
+    first = [clock.window(0.0001 * i, costs_of) for i in range(50)]
+    assert asked == [0, 1] and first[0] is not None and len(set(first[:5])) == 1
+    clock.replied(0, "a", now=0.0005)
+    clock.sent(0, "c", 100, now=0.0006)
+    for i in range(50):
+        clock.window(0.0006, costs_of)
+    assert asked == [0, 1, 0]
