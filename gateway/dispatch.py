@@ -15,7 +15,8 @@ import numpy as np
 
 from workers import bf16
 
-try:  # gateway/_combine.c, built by `make` (setup.py): the float32 combine in one pass
+try:  # gateway/_combine.c, built by `make` (setup.py): the float32 combine in one pass, and
+    # the gather into send slots with non-temporal stores
     from gateway import _combine as _native
 except ImportError:  # not built here: numpy does the same, in three passes, to the same bits
     _native = None
@@ -174,10 +175,15 @@ class DispatchPlan:
             raise ValueError(f"out must have shape {(n, x.shape[1])} for worker {w}, got {out.shape}")
         if out.dtype != x.dtype:
             raise ValueError(f"out dtype {out.dtype} != x dtype {x.dtype}")
+        first = int(self._offsets[w])
+        idx = self._tokens[first + lo:first + hi]
+        if (_native is not None and idx.dtype == np.int64 and x.dtype.isbuiltin == 1 and x.flags.c_contiguous
+                and out.flags.c_contiguous):
+            _native.gather(out, x, idx)  # non-temporal stores for large gathers (gateway/_combine.c)
+            return out
         # Indices were checked at build time; mode="clip" skips np.take's
         # hidden buffering of `out` under the default mode="raise".
-        first = int(self._offsets[w])
-        np.take(x, self._tokens[first + lo:first + hi], axis=0, out=out, mode="clip")
+        np.take(x, idx, axis=0, out=out, mode="clip")
         return out
 
     def gather(self, x: np.ndarray, w: int) -> np.ndarray:

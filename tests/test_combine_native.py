@@ -147,3 +147,58 @@ def test_arrays_of_the_wrong_kind_are_refused():
     with pytest.raises((ValueError, BufferError)):
         _combine.scatter(out, y, r, t, w, 0, ro)
     assert not out.any()
+
+
+@needs_native
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), T=st.integers(1, 300), rows=st.integers(0, 600),
+       d=st.sampled_from([1, 3, 4, 8, 100, 256, 1024]), dtype=st.sampled_from(["float32", "uint16", "float64"]),
+       offset=st.sampled_from([0, 1]))
+def test_the_compiled_gather_copies_numpys_take(seed, T, rows, d, dtype, offset):
+    """Row by row (small), with non-temporal stores (a megabyte or more, rows of 16-byte
+    multiples, out aligned) or not (out one item off its alignment, odd rows): np.take's bytes."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((T, d)) * 1000).astype(dtype)
+    idx = rng.integers(0, T, rows).astype(np.int64)
+    buf = np.zeros(rows * d + offset, dtype)
+    out = buf[offset:].reshape(rows, d)
+    dispatch._native.gather(out, x, idx)
+    np.testing.assert_array_equal(out, np.take(x, idx, axis=0))
+
+
+@needs_native
+def test_a_gather_of_megabytes_with_non_temporal_stores_copies_every_row():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4096, 1024)).astype(np.float32)
+    idx = rng.integers(0, 4096, 8192).astype(np.int64)  # 32 MiB
+    for out in (np.empty((8192, 1024), np.float32), np.empty(8192 * 1024 + 1, np.float32)[1:].reshape(8192, 1024)):
+        dispatch._native.gather(out, x, idx)
+        np.testing.assert_array_equal(out, x[idx])
+
+
+@needs_native
+def test_a_gather_index_out_of_range_or_a_mismatch_writes_nothing():
+    x = np.arange(40, dtype=np.float32).reshape(10, 4)
+    out = np.full((3, 4), -1.0, np.float32)
+    for idx in ([0, 10, 1], [0, -1, 2]):
+        with pytest.raises(ValueError, match="row"):
+            dispatch._native.gather(out, x, np.array(idx, np.int64))
+        assert (out == -1).all()
+    for bad_out, bad_idx in ((np.empty((3, 5), np.float32), [0, 1, 2]), (np.empty((3, 4), np.float64), [0, 1, 2]),
+                             (out, [0, 1]), (out, np.array([0, 1, 2], np.int32))):
+        with pytest.raises(ValueError):
+            dispatch._native.gather(bad_out, x, np.asarray(bad_idx))
+    with pytest.raises(TypeError):
+        dispatch._native.gather(out, x)
+
+
+def test_gather_into_gives_numpys_rows_with_or_without_the_compiled_gather(monkeypatch):
+    rng = np.random.default_rng(1)
+    plan = random_plan(rng, 500, 2, 8, 3, drop=0.1)
+    x = rng.standard_normal((500, 64)).astype(np.float32)
+    for w in range(3):
+        n = plan.worker_tokens(w)
+        got = plan.gather_into(x, w, np.empty((n, 64), np.float32))
+        want = numpy_only(lambda: plan.gather_into(x, w, np.empty((n, 64), np.float32)), monkeypatch)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got, x[plan.token_indices(w)])
