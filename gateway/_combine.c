@@ -114,6 +114,14 @@ static PyObject *scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     }
     float *o = out.buf;
     const float *src = y.buf, *w = wts.buf;
+    /* A whole part's combine (no flags), after its last reply, writes first contributions
+     * past the cache as the gather does: 6.8 -> 6.0 ms at 4096 tokens. Not a chunked
+     * round's sums (flags): they run while the worker computes, and streamed there, the
+     * worker's compute took 1-2.6 ms longer a forward (four interleaved runs). */
+    int nt = 0;
+#ifdef __SSE2__
+    nt = flags == NULL && (size_t)count * (size_t)d * 4 >= NT_MIN && d % 4 == 0 && (uintptr_t)o % 16 == 0;
+#endif
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
         const float *s = src + (r[i] - row0) * d;
@@ -124,6 +132,14 @@ static PyObject *scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             write = !flags[t[i]];
             flags[t[i]] = 1;
         }
+#ifdef __SSE2__
+        if (write && nt) {
+            const __m128 wv = _mm_set1_ps(wi);
+            for (Py_ssize_t j = 0; j < d; j += 4)
+                _mm_stream_ps(dst + j, _mm_mul_ps(wv, _mm_loadu_ps(s + j)));
+            continue;
+        }
+#endif
         if (write)
             for (Py_ssize_t j = 0; j < d; j++)
                 dst[j] = wi * s[j];
@@ -131,6 +147,10 @@ static PyObject *scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             for (Py_ssize_t j = 0; j < d; j++)
                 dst[j] += wi * s[j];
     }
+#ifdef __SSE2__
+    if (nt)
+        _mm_sfence();
+#endif
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&wts);
     PyBuffer_Release(&toks);

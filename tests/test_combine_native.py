@@ -89,6 +89,28 @@ def test_chunks_summed_as_they_land_give_numpys_bits(seed, T, k, W, cuts):
 
 
 @needs_native
+@pytest.mark.parametrize("d", [1024, 1020, 1022])
+def test_a_combine_of_megabytes_streamed_past_the_cache_gives_numpys_bits(d):
+    """A whole part's combine of a megabyte or more writes first contributions with
+    non-temporal stores (rows of whole 16 bytes: d 1024 and 1020); d 1022 cannot, and
+    writes as before. Both give numpy's bits, and so do the same replies summed in chunks."""
+    rng = np.random.default_rng(d)
+    plan = random_plan(rng, 700, 2, 8, 2, 0.1)
+    ys = outputs_of(rng, plan, d)
+    native = plan.combine(ys, np.full((700, d), np.nan, np.float32))
+    mp = pytest.MonkeyPatch()
+    try:
+        reference = numpy_only(lambda: plan.combine(ys, np.full((700, d), np.nan, np.float32)), mp)
+    finally:
+        mp.undo()
+    assert native.tobytes() == reference.tobytes()
+    acc = plan.accumulator(d, into=np.full((700, d), np.nan, np.float32))
+    for w in range(2):
+        plan.accumulate(w, 0, plan.worker_tokens(w), ys[w], acc)
+    assert acc.array.tobytes() == reference.tobytes()
+
+
+@needs_native
 def test_an_index_out_of_range_writes_nothing():
     from gateway import _combine
     out = np.zeros((4, 3), np.float32)
