@@ -44,9 +44,9 @@ class WorkerPool:
     is retried. ``secret``: the workers' shared secret (default FIND: as the services find
     it, $MOE_SECRET_FILE or the per-user default file; None: no secret). ``chunk_rows``: how
     a worker's part of a round is cut into messages ("auto", 0 for one message, or rows per
-    message; gateway/chunking.py). ``reply_spin``: busy-poll for each worker's last
-    outstanding reply around when it is due, while a processor is free for it
-    (gateway/reply_clock.py).
+    message; gateway/chunking.py). ``reply_spin``: busy-poll for a worker's last
+    outstanding reply around when it is due, where that is soon (up to 1 ms of compute) and
+    the gateway has a processor no local worker needs (gateway/reply_clock.py).
     """
 
     def __init__(self, urls: Sequence[str], router: Router, *, dtype: Any = np.float32,
