@@ -19,6 +19,12 @@
  * 0.34 against 0.60 us a 4 KiB row at 8192 rows here, and the worker reads the slot from
  * memory either way at that size. Smaller gathers copy row by row (memcpy): the worker
  * may still find them in the cache.
+ *
+ * And the plan's sort: every routed (token, slot) ordered by (worker, expert, token), as
+ * a counting sort over the worker x expert cells. numpy needs a stable argsort, a divmod,
+ * four gathers, a searchsorted, a bincount and a diff per worker for the same arrays: 0.36
+ * ms of the 0.6 ms plan at 4096 tokens in a running gateway, where it runs with the caches
+ * cold (a worker's product has just evicted them), and the first chunk cannot go before it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -243,9 +249,110 @@ fail_out:
     return NULL;
 }
 
+PyDoc_STRVAR(sort_plan_doc,
+"sort_plan(idx, assign, wts, k, n_workers, n_experts, tokens, slots, experts, weights, workers, counts) -> n\n--\n\n"
+"Order the routed entries of idx (T*k flat, int64; -1: dropped) by (worker, expert, token):\n"
+"entry i = token * k + slot goes to worker assign[i] (int64) with weight wts[i] (float32).\n"
+"Writes the first n places of tokens, slots, experts, workers (int64) and weights (float32),\n"
+"each at least as long as idx, and counts (n_workers * n_experts int64): the entries per\n"
+"(worker, expert) cell. Returns n, the entries not dropped. ValueError, with nothing written,\n"
+"for an expert or worker outside its range.");
+
+static PyObject *sort_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "sort_plan() takes 12 arguments");
+        return NULL;
+    }
+    Py_ssize_t k = PyLong_AsSsize_t(args[3]), W = PyLong_AsSsize_t(args[4]), E = PyLong_AsSsize_t(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (k < 1 || W < 1 || E < 0 || (E && W > PY_SSIZE_T_MAX / 8 / E)) {
+        PyErr_SetString(PyExc_ValueError, "k and n_workers must be >= 1, n_experts >= 0");
+        return NULL;
+    }
+    Py_buffer b[9];
+    int got = 0;
+    static const char *fmt[9] = {"q", "q", "f", "q", "q", "q", "f", "q", "q"};
+    static const char *what[9] = {"idx", "assign", "wts", "tokens", "slots", "experts", "weights",
+                                  "workers", "counts"};
+    Py_ssize_t n = -1;
+    for (; got < 9; got++) {
+        int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (got >= 3 ? PyBUF_WRITABLE : 0);
+        Py_buffer *v = &b[got];
+        if (PyObject_GetBuffer(args[got < 3 ? got : got + 3], v, flags) < 0)
+            goto done;
+        int ok = v->format != NULL && v->itemsize == (Py_ssize_t)(fmt[got][0] == 'f' ? 4 : 8)
+                 && (strcmp(v->format, fmt[got]) == 0 || (fmt[got][0] == 'q' && strcmp(v->format, "l") == 0));
+        Py_ssize_t len = ok ? v->len / v->itemsize : 0;
+        if (ok && got == 8)
+            ok = len == W * E;
+        else if (ok && got > 0)
+            ok = got < 3 ? len == b[0].len / 8 : len >= b[0].len / 8;
+        if (!ok) {
+            PyErr_Format(PyExc_ValueError, "%s must be contiguous %s, %s", what[got],
+                         fmt[got][0] == 'f' ? "float32" : "int64",
+                         got == 8 ? "n_workers * n_experts of them" : "as many as idx");
+            PyBuffer_Release(v);
+            goto done;
+        }
+    }
+    const Py_ssize_t N = b[0].len / 8;
+    if (N % k) {
+        PyErr_Format(PyExc_ValueError, "idx holds %zd entries, not a multiple of k=%zd", N, k);
+        goto done;
+    }
+    const int64_t *ix = b[0].buf, *as = b[1].buf;
+    const float *wt = b[2].buf;
+    int64_t *cnt = b[8].buf;
+    for (Py_ssize_t i = 0; i < N; i++) {  /* everything checked before anything is written */
+        if (ix[i] < -1 || ix[i] >= E || (ix[i] >= 0 && (as[i] < 0 || as[i] >= W))) {
+            PyErr_Format(PyExc_ValueError, "entry %zd: expert %lld on worker %lld, out of range (%zd experts, "
+                         "%zd workers)", i, (long long)ix[i], (long long)as[i], E, W);
+            goto done;
+        }
+    }
+    int64_t *at = PyMem_Malloc((size_t)(W * E + 1) * sizeof(int64_t));
+    if (at == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *tok = b[3].buf, *slot = b[4].buf, *ex = b[5].buf, *wk = b[7].buf;
+    float *wo = b[6].buf;
+    Py_BEGIN_ALLOW_THREADS
+    memset(cnt, 0, (size_t)(W * E) * sizeof(int64_t));
+    for (Py_ssize_t i = 0; i < N; i++)
+        if (ix[i] >= 0)
+            cnt[as[i] * E + ix[i]]++;
+    int64_t sum = 0;
+    for (Py_ssize_t c = 0; c < W * E; c++) {
+        at[c] = sum;
+        sum += cnt[c];
+    }
+    for (Py_ssize_t t = 0, i = 0; i < N; t++) {  /* in entry order: each cell keeps its tokens ascending */
+        for (Py_ssize_t s = 0; s < k; s++, i++) {
+            if (ix[i] < 0)
+                continue;
+            int64_t p = at[as[i] * E + ix[i]]++;
+            tok[p] = t;
+            slot[p] = s;
+            ex[p] = ix[i];
+            wk[p] = as[i];
+            wo[p] = wt[i];
+        }
+    }
+    n = (Py_ssize_t)sum;
+    Py_END_ALLOW_THREADS
+    PyMem_Free(at);
+done:
+    while (got-- > 0)
+        PyBuffer_Release(&b[got]);
+    return n < 0 ? NULL : PyLong_FromSsize_t(n);
+}
+
 static PyMethodDef methods[] = {
     {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL, scatter_doc},
     {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, gather_doc},
+    {"sort_plan", (PyCFunction)(void (*)(void))sort_plan, METH_FASTCALL, sort_plan_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -53,12 +53,28 @@ class DispatchPlan:
 
     def __init__(self, *, num_tokens: int, top_k: int, n_workers: int, n_experts: int,
                  tokens: np.ndarray, slots: np.ndarray, experts: np.ndarray,
-                 weights: np.ndarray, workers: np.ndarray) -> None:
+                 weights: np.ndarray, workers: np.ndarray, counts: Optional[np.ndarray] = None) -> None:
         # Private: use build() / from_assignment(). Arrays are sorted by
-        # (worker, expert, token) and hold only the non-dropped assignments.
+        # (worker, expert, token) and hold only the non-dropped assignments; counts, when
+        # the sort made it, is their number per (worker, expert).
         self.num_tokens, self.top_k = num_tokens, top_k
         self.n_workers, self.n_experts = n_workers, n_experts
         self._tokens = tokens
+        self._slots, self._weights = slots, weights  # for the combine tables, made when first used
+        self._tables: Optional[tuple[list, np.ndarray, np.ndarray]] = None
+        if counts is not None:  # the groups and offsets straight from the cells: no pass over the rows
+            self._offsets = np.zeros(n_workers + 1, dtype=np.int64)
+            np.cumsum(counts.sum(axis=1), out=self._offsets[1:])
+            self.expert_counts = counts.sum(axis=0)
+            self._groups = []
+            for row in counts.tolist():
+                groups, start = [], 0
+                for e, c in enumerate(row):
+                    if c:
+                        groups.append((e, start, c))
+                        start += c
+                self._groups.append(groups)
+            return
         self._offsets = np.searchsorted(workers, np.arange(n_workers + 1)).astype(np.int64)
         self.expert_counts: np.ndarray = np.bincount(experts, minlength=n_experts).astype(np.int64)
         self._groups: list[list[tuple[int, int, int]]] = []
@@ -69,8 +85,6 @@ class DispatchPlan:
             starts = np.concatenate(([0], cut)).astype(np.int64) if hi > lo else cut
             ends = np.concatenate((cut, [hi - lo])).astype(np.int64) if hi > lo else cut
             self._groups.append([(int(ex[s]), int(s), int(e - s)) for s, e in zip(starts, ends)])
-        self._slots, self._weights = slots, weights  # for the combine tables, made when first used
-        self._tables: Optional[tuple[list, np.ndarray, np.ndarray]] = None
 
     # -- construction -------------------------------------------------------
 
@@ -114,6 +128,8 @@ class DispatchPlan:
         if n_workers < 1:
             raise ValueError(f"n_workers must be >= 1, got {n_workers}")
         T, k = idx.shape
+        if _native is not None and n_experts is not None:  # one counting sort in C, same arrays
+            return cls._sorted_natively(idx, wts, assign, n_workers, n_experts)
         valid = idx >= 0
         if n_experts is None:
             n_experts = int(idx.max()) + 1 if valid.any() else 0
@@ -142,6 +158,21 @@ class DispatchPlan:
                    tokens=tokens.astype(np.intp), slots=slots,
                    experts=ex[order], weights=wts.reshape(-1)[at].astype(np.float32),
                    workers=wk[order])
+
+    @classmethod
+    def _sorted_natively(cls, idx: np.ndarray, wts: np.ndarray, assign: np.ndarray, n_workers: int,
+                         n_experts: int) -> "DispatchPlan":
+        T, k = idx.shape
+        flat = lambda a, dtype: np.ascontiguousarray(a, dtype=dtype).reshape(-1)  # noqa: E731
+        sorted_ = np.empty((4, T * k), dtype=np.int64)  # tokens, slots, experts, workers
+        weights = np.empty(T * k, dtype=np.float32)
+        counts = np.empty((n_workers, n_experts), dtype=np.int64)
+        n = _native.sort_plan(flat(idx, np.int64), flat(assign, np.int64), flat(wts, np.float32), k,
+                              n_workers, n_experts, sorted_[0], sorted_[1], sorted_[2], weights, sorted_[3],
+                              counts)
+        return cls(num_tokens=T, top_k=k, n_workers=int(n_workers), n_experts=int(n_experts),
+                   tokens=sorted_[0, :n], slots=sorted_[1, :n], experts=sorted_[2, :n], weights=weights[:n],
+                   workers=sorted_[3, :n], counts=counts)
 
     # -- per worker ---------------------------------------------------------
 

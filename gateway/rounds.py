@@ -436,10 +436,10 @@ class RoundBook:
                                                min_split=self.min_split)
         # one assignment over the round, so a replicated expert is balanced across requests
         if all(len(ws) == 1 for ws in replicas.values()):  # no split: a table lookup is enough
-            table = np.zeros(n_experts, dtype=np.int64)
+            table = np.full(n_experts + 1, -1, dtype=np.int64)  # table[-1]: a dropped slot's -1
             for e, ws in replicas.items():
                 table[e] = ws[0]
-            assign = np.where(idx >= 0, table[np.maximum(idx, 0)], -1)
+            assign = table[idx]
         else:
             assign = split_over_replicas(idx, replicas, shares)
         at = 0

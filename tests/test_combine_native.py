@@ -1,5 +1,5 @@
-"""gateway/_combine.c against the numpy combine it replaces: the same bits, whole and in
-chunks, and nothing written when an index is out of range."""
+"""gateway/_combine.c against the numpy code it replaces: the combine's bits, whole and in
+chunks, the gather's rows, the plan's sort; nothing written when an index is out of range."""
 import os
 
 import numpy as np
@@ -224,3 +224,66 @@ def test_gather_into_gives_numpys_rows_with_or_without_the_compiled_gather(monke
         want = numpy_only(lambda: plan.gather_into(x, w, np.empty((n, 64), np.float32)), monkeypatch)
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(got, x[plan.token_indices(w)])
+
+
+def plan_arrays(plan: DispatchPlan) -> list:
+    return ([plan._tokens, plan._slots, plan._weights, plan._offsets, plan.expert_counts]
+            + [plan.groups(w) for w in range(plan.n_workers)])
+
+
+@needs_native
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), T=st.integers(0, 60), k=st.integers(1, 4), W=st.integers(1, 4),
+       E=st.integers(4, 9), drop=st.sampled_from([0.0, 0.3, 1.0]),
+       dtypes=st.sampled_from([(np.int64, np.float32), (np.int32, np.float64), (np.int16, np.float32)]))
+def test_the_compiled_plan_sort_gives_numpys_plan(seed, T, k, W, E, drop, dtypes):
+    rng = np.random.default_rng(seed)
+    idx = np.stack([rng.permutation(E)[:k] for _ in range(T)]) if T else np.zeros((0, k), np.int64)
+    if drop and T:
+        idx[rng.random(idx.shape) < drop] = -1
+    idx = idx.astype(dtypes[0])
+    wts = rng.random((T, k)).astype(dtypes[1])
+    assign = np.where(idx >= 0, rng.integers(0, W, idx.shape), -1).astype(dtypes[0])
+    native = DispatchPlan.from_assignment(idx, wts, assign, W, n_experts=E)
+    mp = pytest.MonkeyPatch()
+    try:
+        reference = numpy_only(lambda: DispatchPlan.from_assignment(idx, wts, assign, W, n_experts=E), mp)
+    finally:
+        mp.undo()
+    for a, b in zip(plan_arrays(native), plan_arrays(reference), strict=True):
+        if isinstance(a, list):
+            assert a == b
+        else:
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    # the plans behave the same: one gather and combine through each
+    x = rng.standard_normal((T, 8)).astype(np.float32)
+    assert all(np.array_equal(native.gather(x, w), reference.gather(x, w)) for w in range(W))
+
+
+@needs_native
+def test_the_compiled_plan_sort_refuses_what_it_cannot_place_and_writes_nothing():
+    idx = np.array([[0, 1], [2, 7]], np.int64)
+    assign = np.zeros_like(idx)
+    wts = np.ones((2, 2), np.float32)
+    with pytest.raises(ValueError, match="out of range"):
+        DispatchPlan.from_assignment(idx, wts, assign, 1, n_experts=4)  # expert 7 of 4
+    with pytest.raises(ValueError, match="out of range"):
+        DispatchPlan.from_assignment(idx.clip(0, 3), wts, assign + 1, 1, n_experts=4)  # worker 1 of 1
+    outs = [np.full(4, -5, np.int64) for _ in range(4)]
+    weights, counts = np.full(4, -5, np.float32), np.full(4, -5, np.int64)
+    args = (idx.reshape(-1), assign.reshape(-1), wts.reshape(-1), 2, 1, 4, *outs[:3], weights, outs[3], counts)
+    with pytest.raises(ValueError, match="out of range"):
+        dispatch._native.sort_plan(*args)
+    assert all((o == -5).all() for o in outs) and (weights == -5).all() and (counts == -5).all()
+    with pytest.raises(ValueError, match="multiple of k"):
+        dispatch._native.sort_plan(idx.reshape(-1)[:3], assign.reshape(-1)[:3], wts.reshape(-1)[:3], 2, 1, 4,
+                                   *outs[:3], weights, outs[3], counts)
+    with pytest.raises(ValueError, match="counts"):
+        dispatch._native.sort_plan(idx.reshape(-1).clip(0, 3), assign.reshape(-1), wts.reshape(-1), 2, 1, 4,
+                                   *outs[:3], weights, outs[3], counts[:3])
+    with pytest.raises(ValueError, match="tokens"):
+        dispatch._native.sort_plan(idx.reshape(-1).clip(0, 3), assign.reshape(-1), wts.reshape(-1), 2, 1, 4,
+                                   outs[0][:3], *outs[1:3], weights, outs[3], counts)
+    n = dispatch._native.sort_plan(idx.reshape(-1).clip(0, 3), assign.reshape(-1), wts.reshape(-1), 2, 1, 4,
+                                   *outs[:3], weights, outs[3], counts)
+    assert n == 4 and counts.tolist() == [1, 1, 1, 1] and outs[0].tolist() == [0, 0, 1, 1]
