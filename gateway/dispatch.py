@@ -52,39 +52,26 @@ class DispatchPlan:
     """Immutable per-batch plan; build it once per routed batch."""
 
     def __init__(self, *, num_tokens: int, top_k: int, n_workers: int, n_experts: int,
-                 tokens: np.ndarray, slots: np.ndarray, experts: np.ndarray,
-                 weights: np.ndarray, workers: np.ndarray, counts: Optional[np.ndarray] = None) -> None:
-        # Private: use build() / from_assignment(). Arrays are sorted by
-        # (worker, expert, token) and hold only the non-dropped assignments; counts, when
-        # the sort made it, is their number per (worker, expert).
+                 tokens: np.ndarray, slots: np.ndarray, weights: np.ndarray, counts: np.ndarray) -> None:
+        # Private: use build() / from_assignment(). Arrays are sorted by (worker, expert,
+        # token) and hold only the non-dropped assignments; counts (n_workers, n_experts) is
+        # their number per cell, from which the offsets and groups follow.
         self.num_tokens, self.top_k = num_tokens, top_k
         self.n_workers, self.n_experts = n_workers, n_experts
         self._tokens = tokens
         self._slots, self._weights = slots, weights  # for the combine tables, made when first used
         self._tables: Optional[tuple[list, np.ndarray, np.ndarray]] = None
-        if counts is not None:  # the groups and offsets straight from the cells: no pass over the rows
-            self._offsets = np.zeros(n_workers + 1, dtype=np.int64)
-            np.cumsum(counts.sum(axis=1), out=self._offsets[1:])
-            self.expert_counts = counts.sum(axis=0)
-            self._groups = []
-            for row in counts.tolist():
-                groups, start = [], 0
-                for e, c in enumerate(row):
-                    if c:
-                        groups.append((e, start, c))
-                        start += c
-                self._groups.append(groups)
-            return
-        self._offsets = np.searchsorted(workers, np.arange(n_workers + 1)).astype(np.int64)
-        self.expert_counts: np.ndarray = np.bincount(experts, minlength=n_experts).astype(np.int64)
+        self._offsets = np.zeros(n_workers + 1, dtype=np.int64)
+        np.cumsum(counts.sum(axis=1), out=self._offsets[1:])
+        self.expert_counts: np.ndarray = counts.sum(axis=0)
         self._groups: list[list[tuple[int, int, int]]] = []
-        for w in range(n_workers):
-            lo, hi = int(self._offsets[w]), int(self._offsets[w + 1])
-            ex = experts[lo:hi]
-            cut = np.flatnonzero(np.diff(ex)) + 1
-            starts = np.concatenate(([0], cut)).astype(np.int64) if hi > lo else cut
-            ends = np.concatenate((cut, [hi - lo])).astype(np.int64) if hi > lo else cut
-            self._groups.append([(int(ex[s]), int(s), int(e - s)) for s, e in zip(starts, ends)])
+        for row in counts.tolist():
+            groups, start = [], 0
+            for e, c in enumerate(row):
+                if c:
+                    groups.append((e, start, c))
+                    start += c
+            self._groups.append(groups)
 
     # -- construction -------------------------------------------------------
 
@@ -154,10 +141,10 @@ class DispatchPlan:
         order = np.argsort(key, kind="stable")
         at = pos[order]
         tokens, slots = np.divmod(at, k) if k > 1 else (at, np.zeros_like(at))
+        counts = np.bincount(key, minlength=n_workers * n_experts).reshape(n_workers, n_experts)
         return cls(num_tokens=T, top_k=k, n_workers=int(n_workers), n_experts=int(n_experts),
-                   tokens=tokens.astype(np.intp), slots=slots,
-                   experts=ex[order], weights=wts.reshape(-1)[at].astype(np.float32),
-                   workers=wk[order])
+                   tokens=tokens.astype(np.intp), slots=slots, weights=wts.reshape(-1)[at].astype(np.float32),
+                   counts=counts.astype(np.int64))
 
     @classmethod
     def _sorted_natively(cls, idx: np.ndarray, wts: np.ndarray, assign: np.ndarray, n_workers: int,
@@ -171,8 +158,7 @@ class DispatchPlan:
                               n_workers, n_experts, sorted_[0], sorted_[1], sorted_[2], weights, sorted_[3],
                               counts)
         return cls(num_tokens=T, top_k=k, n_workers=int(n_workers), n_experts=int(n_experts),
-                   tokens=sorted_[0, :n], slots=sorted_[1, :n], experts=sorted_[2, :n], weights=weights[:n],
-                   workers=sorted_[3, :n], counts=counts)
+                   tokens=sorted_[0, :n], slots=sorted_[1, :n], weights=weights[:n], counts=counts)
 
     # -- per worker ---------------------------------------------------------
 
