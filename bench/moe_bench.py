@@ -165,6 +165,16 @@ def _pct(a: list[float]) -> tuple[float, float]:
     return float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
 
 
+def per_row_line(snap: dict) -> str:
+    """What auto's whole-or-chunked choice stands on (ChunkMode.snapshot), for the warm-up
+    line: a run that sent its parts whole shows whether its chunked probes measured dearer."""
+    w, c = snap.get("whole_s_per_row"), snap.get("chunked_s_per_row")
+    if w is None or c is None:
+        return ""
+    return (f"; per row, whole {w * 1e6:.2f} us, chunked {c * 1e6:.2f} us (lower quartiles): "
+            f"{'chunks' if snap.get('chunks_cheaper') else 'whole parts'} measured cheaper")
+
+
 def no_token_s(st: dict) -> float:
     """The busiest worker's time with no token to compute in one forward (a stage dict of
     TransportSystem): the forward less its routing and that worker's receive-to-reply time.
@@ -305,7 +315,8 @@ def run(args: argparse.Namespace) -> int:
                 if snap is not None and snap["asked"]:
                     print(f"{name}: {n} warm-up forwards; auto's choice measured {snap['measured']} rounds, "
                           f"left out {snap['cold']} that faulted in fresh memory"
-                          + ("" if snap["settled"] else ", and has not measured both ways yet"), flush=True)
+                          + ("" if snap["settled"] else ", and has not measured both ways yet")
+                          + per_row_line(snap), flush=True)
         for r in range(args.rounds):
             for name in list(systems) + list(refs):  # the references last, then a pause:
                 if name in refs:  # OpenBLAS threads spin ~0.1 s after their work and would

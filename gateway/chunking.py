@@ -583,6 +583,12 @@ class ChunkMode:
         got = sorted(self.samples[chunked])
         return got[len(got) // 4] if got else None
 
+    def chunks_cheaper(self) -> bool:
+        """Whether chunked rounds measured cheaper per row than whole ones, by MODE_MARGIN
+        (False until both ways have a sample)."""
+        c, w = self.per_row(True), self.per_row(False)
+        return c is not None and w is not None and c < w * (1 - MODE_MARGIN)
+
     def want_chunks(self, measurable: bool = True) -> bool:
         """For one round the size model would chunk: chunk it? ``measurable``: no other
         round is in flight as it goes (so it can be timed alone)."""
@@ -590,7 +596,7 @@ class ChunkMode:
         if len(self.samples[False]) < WARMUP:
             return False
         probing = len(self.samples[True]) < PROBES
-        better = not probing and self.per_row(True) < self.per_row(False) * (1 - MODE_MARGIN)
+        better = not probing and self.chunks_cheaper()
         if not measurable:
             return better
         self._probe_turn += 1
@@ -605,7 +611,9 @@ class ChunkMode:
         return not better
 
     def snapshot(self) -> dict:
-        """What the choice stands on: rounds asked about and measured, and the lower
-        quartiles per row (seconds), whole and chunked (a gateway's config shows it)."""
+        """What the choice stands on: rounds asked about and measured, the lower quartiles
+        per row (seconds), whole and chunked, and which way they favour (a gateway's config
+        shows it)."""
         return {"asked": self.asked, "measured": self.rounds, "cold": self.cold, "settled": self.settled,
-                "whole_s_per_row": self.per_row(False), "chunked_s_per_row": self.per_row(True)}
+                "whole_s_per_row": self.per_row(False), "chunked_s_per_row": self.per_row(True),
+                "chunks_cheaper": self.chunks_cheaper()}

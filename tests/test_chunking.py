@@ -553,6 +553,23 @@ def test_chunk_mode_measures_both_ways_and_keeps_the_cheaper():
     assert _asks(m2, 2 * PROBE_EVERY).count(False) == 1 and m2.per_row(True) < m2.per_row(False)
     snap = m2.snapshot()
     assert snap["asked"] == m2.asked and snap["chunked_s_per_row"] < snap["whole_s_per_row"]
+    assert snap["chunks_cheaper"] and not m.snapshot()["chunks_cheaper"]
+
+
+def test_chunks_are_cheaper_only_by_the_margin():
+    """The verdict the choice and its snapshot share: chunked rounds cheaper per row than
+    whole ones by more than MODE_MARGIN, and nothing before both ways have a sample."""
+    from gateway.chunking import MODE_MARGIN, ChunkMode
+    m = ChunkMode()
+    assert not m.chunks_cheaper()
+    m.record(True, 0.01, 100)
+    assert not m.chunks_cheaper()  # no whole round yet
+    m.record(False, 0.01 / (1 - MODE_MARGIN) * 1.001, 100)
+    assert m.chunks_cheaper()
+    m2 = ChunkMode()
+    m2.record(True, 0.01, 100)
+    m2.record(False, 0.01 / (1 - MODE_MARGIN) * 0.999, 100)  # inside the margin: whole
+    assert not m2.chunks_cheaper() and not m2.snapshot()["chunks_cheaper"]
 
 
 def test_chunk_mode_keeps_chunks_a_few_percent_cheaper():

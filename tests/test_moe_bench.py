@@ -141,3 +141,19 @@ def test_warm_up_goes_on_while_auto_still_measures_both_ways():
     assert warm_up(s, s.forward, auto) == n + 4 == len(s.ran)
     ran = []
     assert warm_up(object(), ran.append, auto) == n == len(ran)
+
+
+def test_the_warm_up_line_says_what_autos_choice_stands_on():
+    """A run that sent its parts whole shows why: its per-row figures and which way won."""
+    from bench.moe_bench import per_row_line
+    from gateway.chunking import ChunkMode
+    m = ChunkMode()
+    assert per_row_line(m.snapshot()) == ""  # nothing measured: nothing to show
+    m.record(False, 0.0174, 1000)
+    m.record(True, 0.0165, 1000)
+    line = per_row_line(m.snapshot())
+    assert "whole 17.40 us" in line and "chunked 16.50 us" in line and line.endswith("chunks measured cheaper")
+    m2 = ChunkMode()
+    m2.record(False, 0.0174, 1000)
+    m2.record(True, 0.0180, 1000)
+    assert per_row_line(m2.snapshot()).endswith("whole parts measured cheaper")
