@@ -49,13 +49,17 @@ static int get2d(PyObject *obj, Py_buffer *v, int writable, const char *what) {
     return 0;
 }
 
+/* whether v holds fmt's items: "f" (float32) or "q" (int64, which numpy's intp on LP64
+ * spells "l") */
+static int is_fmt(const Py_buffer *v, const char *fmt) {
+    return v->format != NULL && v->itemsize == (Py_ssize_t)(fmt[0] == 'f' ? 4 : 8)
+           && (strcmp(v->format, fmt) == 0 || (fmt[0] == 'q' && strcmp(v->format, "l") == 0));
+}
+
 static int get1d(PyObject *obj, Py_buffer *v, const char *fmt, Py_ssize_t size, const char *what) {
     if (PyObject_GetBuffer(obj, v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return -1;
-    /* int64 is "q" or "l" (numpy's intp on LP64) */
-    int ok = v->format != NULL && v->itemsize == (Py_ssize_t)(fmt[0] == 'f' ? 4 : 8)
-             && (strcmp(v->format, fmt) == 0 || (fmt[0] == 'q' && strcmp(v->format, "l") == 0));
-    if (!ok || (size >= 0 && v->len / v->itemsize != size)) {
+    if (!is_fmt(v, fmt) || (size >= 0 && v->len / v->itemsize != size)) {
         PyErr_Format(PyExc_ValueError, "%s must be contiguous %s, as many as rows", what,
                      fmt[0] == 'f' ? "float32 values" : "int64 indices");
         PyBuffer_Release(v);
@@ -250,17 +254,17 @@ fail_out:
 }
 
 PyDoc_STRVAR(sort_plan_doc,
-"sort_plan(idx, assign, wts, k, n_workers, n_experts, tokens, slots, experts, weights, workers, counts) -> n\n--\n\n"
+"sort_plan(idx, assign, wts, k, n_workers, n_experts, tokens, slots, weights, counts) -> n\n--\n\n"
 "Order the routed entries of idx (T*k flat, int64; -1: dropped) by (worker, expert, token):\n"
 "entry i = token * k + slot goes to worker assign[i] (int64) with weight wts[i] (float32).\n"
-"Writes the first n places of tokens, slots, experts, workers (int64) and weights (float32),\n"
-"each at least as long as idx, and counts (n_workers * n_experts int64): the entries per\n"
-"(worker, expert) cell. Returns n, the entries not dropped. ValueError, with nothing written,\n"
-"for an expert or worker outside its range.");
+"Writes the first n places of tokens, slots (int64) and weights (float32), each at least as\n"
+"long as idx, and counts (n_workers * n_experts int64): the entries per (worker, expert)\n"
+"cell, which place each entry's expert and worker. Returns n, the entries not dropped.\n"
+"ValueError, with nothing written, for an expert or worker outside its range.");
 
 static PyObject *sort_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 12) {
-        PyErr_SetString(PyExc_TypeError, "sort_plan() takes 12 arguments");
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "sort_plan() takes 10 arguments");
         return NULL;
     }
     Py_ssize_t k = PyLong_AsSsize_t(args[3]), W = PyLong_AsSsize_t(args[4]), E = PyLong_AsSsize_t(args[5]);
@@ -270,28 +274,26 @@ static PyObject *sort_plan(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_ValueError, "k and n_workers must be >= 1, n_experts >= 0");
         return NULL;
     }
-    Py_buffer b[9];
+    Py_buffer b[7];
     int got = 0;
-    static const char *fmt[9] = {"q", "q", "f", "q", "q", "q", "f", "q", "q"};
-    static const char *what[9] = {"idx", "assign", "wts", "tokens", "slots", "experts", "weights",
-                                  "workers", "counts"};
+    static const char *fmt[7] = {"q", "q", "f", "q", "q", "f", "q"};
+    static const char *what[7] = {"idx", "assign", "wts", "tokens", "slots", "weights", "counts"};
     Py_ssize_t n = -1;
-    for (; got < 9; got++) {
+    for (; got < 7; got++) {
         int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (got >= 3 ? PyBUF_WRITABLE : 0);
         Py_buffer *v = &b[got];
         if (PyObject_GetBuffer(args[got < 3 ? got : got + 3], v, flags) < 0)
             goto done;
-        int ok = v->format != NULL && v->itemsize == (Py_ssize_t)(fmt[got][0] == 'f' ? 4 : 8)
-                 && (strcmp(v->format, fmt[got]) == 0 || (fmt[got][0] == 'q' && strcmp(v->format, "l") == 0));
+        int ok = is_fmt(v, fmt[got]);
         Py_ssize_t len = ok ? v->len / v->itemsize : 0;
-        if (ok && got == 8)
+        if (ok && got == 6)
             ok = len == W * E;
         else if (ok && got > 0)
             ok = got < 3 ? len == b[0].len / 8 : len >= b[0].len / 8;
         if (!ok) {
             PyErr_Format(PyExc_ValueError, "%s must be contiguous %s, %s", what[got],
                          fmt[got][0] == 'f' ? "float32" : "int64",
-                         got == 8 ? "n_workers * n_experts of them" : "as many as idx");
+                         got == 6 ? "n_workers * n_experts of them" : "as many as idx");
             PyBuffer_Release(v);
             goto done;
         }
@@ -303,7 +305,7 @@ static PyObject *sort_plan(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     const int64_t *ix = b[0].buf, *as = b[1].buf;
     const float *wt = b[2].buf;
-    int64_t *cnt = b[8].buf;
+    int64_t *cnt = b[6].buf;
     for (Py_ssize_t i = 0; i < N; i++) {  /* everything checked before anything is written */
         if (ix[i] < -1 || ix[i] >= E || (ix[i] >= 0 && (as[i] < 0 || as[i] >= W))) {
             PyErr_Format(PyExc_ValueError, "entry %zd: expert %lld on worker %lld, out of range (%zd experts, "
@@ -316,8 +318,8 @@ static PyObject *sort_plan(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_NoMemory();
         goto done;
     }
-    int64_t *tok = b[3].buf, *slot = b[4].buf, *ex = b[5].buf, *wk = b[7].buf;
-    float *wo = b[6].buf;
+    int64_t *tok = b[3].buf, *slot = b[4].buf;
+    float *wo = b[5].buf;
     Py_BEGIN_ALLOW_THREADS
     memset(cnt, 0, (size_t)(W * E) * sizeof(int64_t));
     for (Py_ssize_t i = 0; i < N; i++)
@@ -335,8 +337,6 @@ static PyObject *sort_plan(PyObject *self, PyObject *const *args, Py_ssize_t nar
             int64_t p = at[as[i] * E + ix[i]]++;
             tok[p] = t;
             slot[p] = s;
-            ex[p] = ix[i];
-            wk[p] = as[i];
             wo[p] = wt[i];
         }
     }

@@ -151,12 +151,11 @@ class DispatchPlan:
                          n_experts: int) -> "DispatchPlan":
         T, k = idx.shape
         flat = lambda a, dtype: np.ascontiguousarray(a, dtype=dtype).reshape(-1)  # noqa: E731
-        sorted_ = np.empty((4, T * k), dtype=np.int64)  # tokens, slots, experts, workers
+        sorted_ = np.empty((2, T * k), dtype=np.int64)  # tokens, slots
         weights = np.empty(T * k, dtype=np.float32)
         counts = np.empty((n_workers, n_experts), dtype=np.int64)
         n = _native.sort_plan(flat(idx, np.int64), flat(assign, np.int64), flat(wts, np.float32), k,
-                              n_workers, n_experts, sorted_[0], sorted_[1], sorted_[2], weights, sorted_[3],
-                              counts)
+                              n_workers, n_experts, sorted_[0], sorted_[1], weights, counts)
         return cls(num_tokens=T, top_k=k, n_workers=int(n_workers), n_experts=int(n_experts),
                    tokens=sorted_[0, :n], slots=sorted_[1, :n], weights=weights[:n], counts=counts)
 

@@ -269,21 +269,21 @@ def test_the_compiled_plan_sort_refuses_what_it_cannot_place_and_writes_nothing(
         DispatchPlan.from_assignment(idx, wts, assign, 1, n_experts=4)  # expert 7 of 4
     with pytest.raises(ValueError, match="out of range"):
         DispatchPlan.from_assignment(idx.clip(0, 3), wts, assign + 1, 1, n_experts=4)  # worker 1 of 1
-    outs = [np.full(4, -5, np.int64) for _ in range(4)]
+    outs = [np.full(4, -5, np.int64) for _ in range(2)]
     weights, counts = np.full(4, -5, np.float32), np.full(4, -5, np.int64)
-    args = (idx.reshape(-1), assign.reshape(-1), wts.reshape(-1), 2, 1, 4, *outs[:3], weights, outs[3], counts)
+    args = (idx.reshape(-1), assign.reshape(-1), wts.reshape(-1), 2, 1, 4, *outs, weights, counts)
     with pytest.raises(ValueError, match="out of range"):
         dispatch._native.sort_plan(*args)
     assert all((o == -5).all() for o in outs) and (weights == -5).all() and (counts == -5).all()
     with pytest.raises(ValueError, match="multiple of k"):
         dispatch._native.sort_plan(idx.reshape(-1)[:3], assign.reshape(-1)[:3], wts.reshape(-1)[:3], 2, 1, 4,
-                                   *outs[:3], weights, outs[3], counts)
+                                   *outs, weights, counts)
     with pytest.raises(ValueError, match="counts"):
         dispatch._native.sort_plan(idx.reshape(-1).clip(0, 3), assign.reshape(-1), wts.reshape(-1), 2, 1, 4,
-                                   *outs[:3], weights, outs[3], counts[:3])
+                                   *outs, weights, counts[:3])
     with pytest.raises(ValueError, match="tokens"):
         dispatch._native.sort_plan(idx.reshape(-1).clip(0, 3), assign.reshape(-1), wts.reshape(-1), 2, 1, 4,
-                                   outs[0][:3], *outs[1:3], weights, outs[3], counts)
+                                   outs[0][:3], outs[1], weights, counts)
     n = dispatch._native.sort_plan(idx.reshape(-1).clip(0, 3), assign.reshape(-1), wts.reshape(-1), 2, 1, 4,
-                                   *outs[:3], weights, outs[3], counts)
+                                   *outs, weights, counts)
     assert n == 4 and counts.tolist() == [1, 1, 1, 1] and outs[0].tolist() == [0, 0, 1, 1]
