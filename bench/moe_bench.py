@@ -171,8 +171,13 @@ def per_row_line(snap: dict) -> str:
     w, c = snap.get("whole_s_per_row"), snap.get("chunked_s_per_row")
     if w is None or c is None:
         return ""
-    return (f"; per row, whole {w * 1e6:.2f} us, chunked {c * 1e6:.2f} us (lower quartiles): "
-            f"{'chunks' if snap.get('chunks_cheaper') else 'whole parts'} measured cheaper")
+    if snap.get("chunks_cheaper"):
+        verdict = "chunks measured cheaper"
+    elif snap.get("chunks_kept"):
+        verdict = "chunks kept, not dearer"
+    else:
+        verdict = "whole parts measured cheaper" if w <= c else "chunks not cheaper by the margin: parts whole"
+    return f"; per row, whole {w * 1e6:.2f} us, chunked {c * 1e6:.2f} us (lower quartiles): {verdict}"
 
 
 def no_token_s(st: dict) -> float:

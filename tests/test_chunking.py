@@ -588,6 +588,28 @@ def test_chunk_mode_keeps_chunks_a_few_percent_cheaper():
         assert (m.per_row(True) < m.per_row(False) * (1 - MODE_MARGIN)) is keep
 
 
+def test_chunk_mode_keeps_chunks_until_they_are_dearer():
+    """Chunks are taken once 2% cheaper per row, then kept while not dearer: at 4096 tokens
+    over shm a chunked probe that moved them from 2.0% to 1.7% cheaper sent the rest of a
+    run whole (2 runs of 8). Back from whole parts, chunks must be 2% cheaper again."""
+    from gateway.chunking import MODE_MARGIN, SAMPLES, WARMUP, ChunkMode
+    m = ChunkMode()
+    for _ in range(WARMUP + 1):
+        m.record(False, 16.8e-6, 1)
+
+    def chunked_at(us: float) -> bool:  # the choice once the last SAMPLES chunked rounds took us a row
+        for _ in range(SAMPLES):
+            m.record(True, us * 1e-6, 1)
+        return m.want_chunks(measurable=False)
+
+    assert chunked_at(16.4) and m.snapshot()["chunks_kept"]  # 2.4% cheaper: taken
+    assert chunked_at(16.55) and not m.chunks_cheaper()  # 1.5%: inside the margin, kept
+    assert chunked_at(16.79)  # still not dearer
+    assert not chunked_at(16.9) and m.snapshot()["chunks_kept"] is False  # dearer: whole parts
+    assert 16.6 > 16.8 * (1 - MODE_MARGIN) and not chunked_at(16.6)  # 1.2% cheaper is not enough back
+    assert chunked_at(16.4)  # 2.4% is
+
+
 def test_chunk_mode_sees_through_stalled_probes():
     """The first rounds to write a slot's pages stall (2-5x here), whichever way they go: two
     stalled probes of three must not keep parts whole when chunks are cheaper (measured at

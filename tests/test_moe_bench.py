@@ -157,3 +157,9 @@ def test_the_warm_up_line_says_what_autos_choice_stands_on():
     m2.record(False, 0.0174, 1000)
     m2.record(True, 0.0180, 1000)
     assert per_row_line(m2.snapshot()).endswith("whole parts measured cheaper")
+    # chunks cheaper, but not by the margin: whole parts, and the line says why
+    assert per_row_line({**m.snapshot(), "chunked_s_per_row": 0.0172 / 1000, "chunks_cheaper": False,
+                         "chunks_kept": False}).endswith("chunks not cheaper by the margin: parts whole")
+    # taken once, then kept inside the margin
+    assert per_row_line({**m.snapshot(), "chunked_s_per_row": 0.0172 / 1000, "chunks_cheaper": False,
+                         "chunks_kept": True}).endswith("chunks kept, not dearer")
