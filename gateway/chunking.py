@@ -526,9 +526,9 @@ class ChunkMode:
     other in flight when it goes) goes chunked until PROBES are measured; then chunks are
     taken once the lower quartile of their last SAMPLES is cheaper than whole parts' by
     MODE_MARGIN, and kept while it is not dearer (:meth:`favours_chunks`), the other way tried
-    again one measurable round in PROBE_EVERY, and in twice as many after each probe that left the choice as it was (up
-    to MAX_PROBE_EVERY: a settled choice stops paying for probes; a flip starts over at
-    PROBE_EVERY). Until both ways are measured a round that cannot be measured goes whole:
+    again one measurable round in PROBE_EVERY, and in twice as many after each probe that
+    left the choice as it was (up to MAX_PROBE_EVERY: a settled choice stops paying for
+    probes; a flip starts over at PROBE_EVERY). Until both ways are measured a round that cannot be measured goes whole:
     under load few rounds are alone, and probing with rounds nobody can time would chunk
     half of them blind. A lower quartile, not a median: a stall only ever lengthens a
     round, and the first rounds to write a slot's pages stall, here at 2-5x, whichever way
@@ -584,21 +584,21 @@ class ChunkMode:
         got = sorted(self.samples[chunked])
         return got[len(got) // 4] if got else None
 
+    def _chunks_cheaper_by(self, margin: float) -> bool:
+        c, w = self.per_row(True), self.per_row(False)
+        return c is not None and w is not None and c < w * (1 - margin)
+
     def chunks_cheaper(self) -> bool:
         """Whether chunked rounds measured cheaper per row than whole ones, by MODE_MARGIN
         (False until both ways have a sample)."""
-        c, w = self.per_row(True), self.per_row(False)
-        return c is not None and w is not None and c < w * (1 - MODE_MARGIN)
+        return self._chunks_cheaper_by(MODE_MARGIN)
 
     def favours_chunks(self) -> bool:
         """The choice: chunks once they measured cheaper by MODE_MARGIN, and kept while they
         are not dearer than whole parts. The band between stops the choice from following
         noise back: at 4096 tokens over shm chunks measured 1.7-4.5% cheaper per row, and in
         2 of 8 runs a chunked probe that took them from 2.0% to 1.7% sent the rest whole."""
-        if self._way:
-            c, w = self.per_row(True), self.per_row(False)
-            return c is not None and w is not None and c < w
-        return self.chunks_cheaper()
+        return self._chunks_cheaper_by(0.0 if self._way else MODE_MARGIN)
 
     def want_chunks(self, measurable: bool = True) -> bool:
         """For one round the size model would chunk: chunk it? ``measurable``: no other
