@@ -13,7 +13,7 @@ BACKEND ?= shm
 TORCH_VERSION ?= 2.13.0
 OUT := build
 
-.PHONY: deps native run test test-host test-rdma bench bench-micro bench-rdma bench-moe bench-load bench-ray compose-check k8s-check secret clean
+.PHONY: deps native run test test-host test-rdma bench bench-micro bench-rdma bench-moe bench-chunks bench-load bench-ray compose-check k8s-check secret clean
 
 $(STAMP): setup.cfg pyproject.toml setup.py
 	@missing=$$(for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -73,6 +73,13 @@ bench-rdma: $(STAMP) native
 
 bench-moe: $(STAMP) native
 	$(VENV)/bin/moe-bench moe --json bench-results/moe.json
+
+# pipelined rounds by batch size: one worker beside the gateway, each size five times on
+# fresh processes; the share of the bound realized, with its range, as a table and a plot
+CHUNK_BATCHES ?= 2048 4096 8192 16384
+bench-chunks: $(STAMP) native
+	$(VENV)/bin/moe-bench moe --backend shm --local-workers 1 --d-ff 256 $(foreach b,$(CHUNK_BATCHES),--batch $(b)) \
+	  --repeat 5 --rounds 3 --batches 4 --json bench-results/moe-chunks.json --plot bench-results/moe-chunks.png
 
 # the issue's load: full config, a ramp to saturation, ours beside the peers in one run
 bench-load: $(STAMP) native

@@ -11,6 +11,9 @@ Systems, same weights and router, same batches, interleaved round by round:
   with each worker's part sent whole (one message) and, as moe-transport+chunks, in chunks
   (pipelined rounds, gateway/chunking.py): per round, the busiest worker's time with no
   token to compute bounds what chunking can gain, and the report sets the gain beside it.
+
+``--batch`` repeated (with ``--repeat N``) runs each size in turn, each run on fresh
+processes, and ends with the chunked rounds' figures by size (bench/moe_sweep.py).
 """
 from __future__ import annotations
 
@@ -40,7 +43,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="worker processes it starts for ours and for the multiprocessing peer (default 2)")
     p.add_argument("--d-model", type=int, help="model width (default 1024; --quick 256)")
     p.add_argument("--d-ff", type=int, help="expert hidden width (default 2048; --quick 512)")
-    p.add_argument("--batch", type=int, help="tokens per batch (default 256; --quick 128)")
+    p.add_argument("--batch", type=int, action="append",
+                   help="tokens per batch (default 256; --quick 128); repeat it to run each size in turn, on "
+                        "fresh processes, and end with the chunked rounds' figures by size (bench/moe_sweep.py)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run each batch size N times, each on fresh worker processes; the summary gives the "
+                        "medians and ranges (default 1)")
+    p.add_argument("--plot", metavar="PATH", help="PNG: the chunked rounds' gain, its bound and the share of it "
+                                                  "realized, by batch size")
     p.add_argument("--seed", type=int, default=0, help="router and expert weights (default 0)")
     p.add_argument("--quick", action="store_true", help="small dims for a smoke run")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -268,15 +278,52 @@ def warm_up(system: Any, forward: Callable[[int], Any], args: argparse.Namespace
 
 def run(args: argparse.Namespace) -> int:
     if args.compute is not None or args.dtype is not None:
+        if args.repeat != 1 or args.plot:
+            raise SystemExit("moe-bench moe: --repeat and --plot are for the numpy layer, not --compute")
         from bench.moe_kernels import run as run_kernels
         return run_kernels(args)
+    if args.repeat < 1:
+        raise SystemExit(f"moe-bench moe: --repeat must be at least 1, got {args.repeat}")
+    from bench.moe_sweep import plot, report, summarize
+
+    dims = dict(QUICK if args.quick else FULL)
+    for k in ("d_model", "d_ff"):
+        if getattr(args, k) is not None:
+            dims[k] = getattr(args, k)
+    default_batch = dims.pop("batch")
+    sizes = args.batch or [default_batch]
+    n = len(sizes) * args.repeat
+    docs = []
+    for batch in sizes:
+        for _ in range(args.repeat):
+            if n > 1:
+                print(f"\n== run {len(docs) + 1}/{n}: {batch}-token batches ==", flush=True)
+            docs.append(measure(args, dims | {"batch": batch}))
+    rows = summarize(docs)
+    if n > 1:
+        print("\n" + report(rows))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        cfg = dims | {"n_experts": args.n_experts, "top_k": args.top_k, "local_workers": args.local_workers,
+                      "rounds": args.rounds, "batches": sizes, "repeat": args.repeat}
+        out = docs[0] if n == 1 else {"meta": {"config": cfg, "runs": n}, "runs": docs, "sweep": rows}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        from bench.load import write_plot
+        cfg = (f"{args.n_experts} experts, top-{args.top_k}, d_model {dims['d_model']}, d_ff {dims['d_ff']}, "
+               f"{args.local_workers} worker process(es); {args.rounds} rounds x {args.batches} batches per run")
+        write_plot(lambda: plot(rows, args.plot, cfg), args.plot, anything=bool(rows))
+    return 0
+
+
+def measure(args: argparse.Namespace, dims: dict) -> dict:
+    """One run at one batch size: every system started, checked against the reference,
+    warmed up and timed; prints its report and returns its JSON document."""
     from threadpoolctl import threadpool_limits
     from gateway.reference import ReferenceMoE
 
-    dims = dict(QUICK if args.quick else FULL)
-    for k in ("d_model", "d_ff", "batch"):
-        if getattr(args, k) is not None:
-            dims[k] = getattr(args, k)
     d, dff, batch = dims["d_model"], dims["d_ff"], dims["batch"]
     backends = args.backend or ["shm", "tcp"]
     ref = ReferenceMoE.from_seed(d, dff, args.n_experts, args.top_k, seed=args.seed)
@@ -388,11 +435,6 @@ def run(args: argparse.Namespace) -> int:
                   f"possible gain (target >= 80%); the processors allow {g['cpu_bound']:.2f}x (the "
                   f"gateway's own work {g['gateway_cpu_ms']:.1f} ms on its thread, all work over {g['cores']} "
                   f"cores), {100 * g['of_cpu_bound']:.0f}% of that")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"meta": {"config": dims | {"n_experts": args.n_experts, "top_k": args.top_k,
-                                                  "local_workers": args.local_workers, "rounds": args.rounds}},
-                       "results": results, "ceiling_tokens_per_s": ceiling, "ratios": ratios}, f, indent=1)
-        print(f"wrote {args.json}")
-    return 0
+    return {"meta": {"config": dims | {"n_experts": args.n_experts, "top_k": args.top_k,
+                                       "local_workers": args.local_workers, "rounds": args.rounds}},
+            "results": results, "ceiling_tokens_per_s": ceiling, "ratios": ratios}

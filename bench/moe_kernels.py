@@ -1,7 +1,7 @@
 """`moe-bench moe --compute torch --dtype bfloat16`: the expert kernel served, beside its peers.
 
 Issue 12's figures, in one run, for 8 experts, top-2, d_model 1024, d_ff 2048, 2 workers and
-batches of 256 and 1024 tokens (``--batch`` for one size, ``--quick`` for small dims):
+batches of 256 and 1024 tokens (``--batch`` for one size, repeated for several; ``--quick`` for small dims):
 
 - ``direct``: the kernel alone, one thread, called in this process on exactly the token
   counts each worker's experts get (the same routing), writing into a preallocated output;
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, k) is not None:
             dims[k] = getattr(args, k)
     d, dff = dims["d_model"], dims["d_ff"]
-    sizes = [args.batch] if args.batch else ([dims["batch"]] if args.quick else [256, 1024])
+    sizes = list(args.batch) if args.batch else ([dims["batch"]] if args.quick else [256, 1024])
     E, K, W, seed = args.n_experts, args.top_k, args.local_workers, args.seed
     max_rows = max(sizes) * K
     router = Router(d, E, K, seed=seed)

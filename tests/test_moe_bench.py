@@ -163,3 +163,62 @@ def test_the_warm_up_line_says_what_autos_choice_stands_on():
     # taken once, then kept inside the margin
     assert per_row_line({**m.snapshot(), "chunked_s_per_row": 0.0172 / 1000, "chunks_cheaper": False,
                          "chunks_kept": True}).endswith("chunks kept, not dearer")
+
+
+def _run_doc(batch: int, share: float, bound: float, chunked_msgs: float, whole_msgs: float = 1.0) -> dict:
+    gain = 1 + share * (bound - 1)
+    g = {"of_bound": share, "bound": bound, "p50_gain": gain, "gain": gain, "p99_ratio": 0.95,
+         "no_token_ms": 8.0, "chunked_no_token_ms": 1.7, "round_ms": 140.0, "messages": chunked_msgs}
+    return {"meta": {"config": {"batch": batch}},
+            "results": [{"system": "moe-transport", "backend": "shm", "stage_ms": {"messages": whole_msgs}},
+                        {"system": "moe-transport+chunks", "backend": "shm", "stage_ms": {"messages": chunked_msgs}}],
+            "ratios": {"shm": {"chunks": g}}}
+
+
+def test_the_sweep_summary_gives_each_size_its_median_range_and_runs_that_met_the_target():
+    """Per (backend, batch): the median share with its range over the runs, how many met the
+    80% target, and which runs sent their parts whole (as many messages as the whole system)."""
+    from bench.moe_sweep import report, summarize
+    docs = [_run_doc(4096, s, 1.06, 4) for s in (0.58, 0.74, 0.27)]
+    docs += [_run_doc(16384, s, 1.08, 6) for s in (1.13, 0.81)] + [_run_doc(16384, 0.02, 1.08, 1)]
+    docs.append({"meta": {"config": {"batch": 512}}, "results": [], "ratios": {"shm": {}}})  # chunks off
+    rows = summarize(docs)
+    assert [(r["backend"], r["batch"], r["runs"]) for r in rows] == [("shm", 4096, 3), ("shm", 16384, 3)]
+    small, large = rows
+    assert small["of_bound"] == pytest.approx(0.58)
+    assert (small["of_bound_min"], small["of_bound_max"]) == pytest.approx((0.27, 0.74))
+    assert small["met"] == 0 and small["sent_whole"] == 0
+    assert large["of_bound"] == pytest.approx(0.81) and large["met"] == 2 and large["sent_whole"] == 1
+    assert large["bound"] == pytest.approx(1.08) and large["gain_min"] == pytest.approx(1 + 0.02 * 0.08)
+    text = report(rows)
+    assert "58% (27-74%)" in text and "81% (2-113%)" in text and "1 sent whole" in text
+    assert " 0/3 " in text and " 2/3 " in text
+
+
+def test_moe_bench_sweeps_batch_sizes_into_one_summary_and_plot(tmp_path):
+    """--batch repeated with --repeat: each size runs that many times on fresh processes; the
+    JSON keeps every run's document and the summary rows; --plot draws them."""
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    cmd = [sys.executable, "-m", "bench.cli", "moe", "--quick", "--rounds", "1", "--batches", "2", "--backend", "shm",
+           "--d-model", "32", "--d-ff", "64", "--batch", "32", "--batch", "64", "--repeat", "2",
+           "--local-workers", "1", "--chunk-rows", "16", "--warmup-forwards", "1",
+           "--json", str(out), "--plot", str(png)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [d["meta"]["config"]["batch"] for d in data["runs"]] == [32, 32, 64, 64]
+    assert data["meta"]["config"]["batches"] == [32, 64] and data["meta"]["config"]["repeat"] == 2
+    rows = {(r["backend"], r["batch"]): r for r in data["sweep"]}
+    assert set(rows) == {("shm", 32), ("shm", 64)} and all(r["runs"] == 2 for r in rows.values())
+    for (_, batch), r in rows.items():
+        shares = sorted(d["ratios"]["shm"]["chunks"]["of_bound"] for d in data["runs"]
+                        if d["meta"]["config"]["batch"] == batch)
+        assert (r["of_bound_min"], r["of_bound_max"]) == pytest.approx(tuple(shares))
+    assert "== run 4/4: 64-token batches ==" in p.stdout and "chunked rounds by batch size" in p.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_moe_bench_refuses_a_sweep_flag_it_would_ignore():
+    cmd = [sys.executable, "-m", "bench.cli", "moe", "--compute", "torch", "--repeat", "2"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "--repeat and --plot are for the numpy layer" in p.stderr
