@@ -23,13 +23,29 @@ except ImportError:  # not built here: numpy does the same, in three passes, to 
 
 __all__ = ["ChunkSum", "DispatchPlan", "split_over_replicas", "NATIVE_COMBINE"]
 
-#: whether the compiled combine is built here (float32 outputs use it; others use numpy)
+#: whether the compiled combine is built here (float32 and bf16 replies use it; others use numpy)
 NATIVE_COMBINE = _native is not None
 
 
 def _native_ok(y: np.ndarray, out: np.ndarray) -> bool:
-    return (_native is not None and y.dtype == np.float32 and out.dtype == np.float32
+    """Whether the compiled combine takes these: float32 or bf16 replies into a float32 sum."""
+    return (_native is not None and (y.dtype == np.float32 or bf16.is_bf16(y.dtype)) and out.dtype == np.float32
             and y.flags.c_contiguous and out.flags.c_contiguous)
+
+
+def _native_src(y: np.ndarray) -> np.ndarray:
+    """A reply as the compiled combine reads it: float32 as it is, bf16 as its uint16 bits."""
+    return y if y.dtype == np.float32 else bf16.bits(y)
+
+
+def _round_bf16(acc: np.ndarray, out: np.ndarray) -> None:
+    """A float32 sum into a bf16 ``out``, rounded to nearest even: in one compiled pass where
+    it is built (the same bits as bf16.from_float32's six)."""
+    if _native is not None and acc.flags.c_contiguous and out.flags.c_contiguous:
+        _native.to_bf16(bf16.bits(out), acc)
+    else:
+        bf16.from_float32(acc, out=out)
+
 
 ExpertToWorker = Union[Mapping[int, int], Sequence[int], np.ndarray]
 
@@ -258,26 +274,26 @@ class DispatchPlan:
                 raise ValueError(f"output of worker {w} must have shape {(n, d)}, got {got}")
         if out.dtype.itemsize < 4:
             acc = np.empty(out.shape, np.float32)
-            self._combine(outputs, acc, widen=True)
+            self._combine(outputs, acc)
             if bf16.is_bf16(out.dtype):
-                bf16.from_float32(acc, out=out)
+                _round_bf16(acc, out)
             else:
                 np.copyto(out, acc, casting="same_kind")
             return out
-        return self._combine(outputs, out, widen=False)
+        return self._combine(outputs, out)
 
-    def _combine(self, outputs: Sequence[np.ndarray | None], out: np.ndarray, widen: bool) -> np.ndarray:
+    def _combine(self, outputs: Sequence[np.ndarray | None], out: np.ndarray) -> np.ndarray:
         segments, _, unset = self._combine_tables()
         if unset.size == self.num_tokens:
             out[...] = 0
         elif unset.size:
             out[unset] = 0
         for w, rows, toks, wts, first in segments:
-            if not widen and _native_ok(outputs[w], out):
-                _native.scatter(out, outputs[w], rows, toks, wts, 0, first)
+            if _native_ok(outputs[w], out):  # float32, or bf16 widened as it is read
+                _native.scatter(out, _native_src(outputs[w]), rows, toks, wts, 0, first)
                 continue
             contrib = np.take(outputs[w], rows, axis=0)
-            if widen:
+            if out.dtype == np.float32 and contrib.dtype != np.float32:  # narrow replies, widened exactly
                 contrib = bf16.to_float32(contrib) if bf16.is_bf16(contrib.dtype) else contrib.astype(np.float32)
             contrib *= wts
             if first:
@@ -314,7 +330,7 @@ class DispatchPlan:
             if a == b:
                 continue
             if _native_ok(y, out):
-                _native.scatter(out, y, rows[a:b], toks[a:b], wts[a:b], lo, seen)
+                _native.scatter(out, _native_src(y), rows[a:b], toks[a:b], wts[a:b], lo, seen)
                 continue
             contrib = np.take(y, rows[a:b] - lo, axis=0)
             if contrib.dtype != np.float32:
@@ -333,7 +349,7 @@ class DispatchPlan:
         if acc.array is out:
             return out
         if bf16.is_bf16(out.dtype):
-            bf16.from_float32(acc.array, out=out)
+            _round_bf16(acc.array, out)
         else:
             np.copyto(out, acc.array, casting="same_kind")
         return out

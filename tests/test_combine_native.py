@@ -110,6 +110,129 @@ def test_a_combine_of_megabytes_streamed_past_the_cache_gives_numpys_bits(d):
     assert acc.array.tobytes() == reference.tobytes()
 
 
+def bf16_outputs(rng, plan, d, representation):
+    """Replies in bf16, as a worker computing in bf16 sends them: uint16 bits or ml_dtypes'
+    bfloat16, with a few infinities and NaNs among them."""
+    from workers import bf16
+    ys = []
+    for y in outputs_of(rng, plan, d):
+        y[rng.random(y.shape) < 0.01] = np.inf
+        y[rng.random(y.shape) < 0.01] = np.nan
+        bits = bf16.from_float32(y * 100)
+        ys.append(bits if representation == "uint16" else bits.view(bf16.bfloat16_dtype()))
+    return ys
+
+
+REPRESENTATIONS = ["uint16"] + (["ml_dtypes"] if __import__("workers.bf16").bf16.bfloat16_dtype() else [])
+
+
+@needs_native
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), T=st.integers(0, 40), k=st.integers(1, 3), W=st.integers(1, 3),
+       d=st.sampled_from([1, 3, 8, 33]), drop=st.sampled_from([0.0, 0.3, 1.0]),
+       representation=st.sampled_from(REPRESENTATIONS), out_dtype=st.sampled_from(["bf16", "float32"]))
+def test_bf16_replies_combine_to_numpys_bits(seed, T, k, W, d, drop, representation, out_dtype):
+    """bf16 replies widened as each row is read, summed in float32 and (into a bf16 output)
+    rounded in one compiled pass: numpy's bits, NaN and infinity included."""
+    rng = np.random.default_rng(seed)
+    plan = random_plan(rng, T, k, 5, W, drop)
+    ys = bf16_outputs(rng, plan, d, representation)
+    dtype = ys[0].dtype if out_dtype == "bf16" else np.float32
+
+    def combined():
+        return plan.combine(ys, np.full((T, d), 0x7FC1 if out_dtype == "bf16" else np.nan, np.float32).astype(dtype))
+
+    native = combined()
+    mp = pytest.MonkeyPatch()
+    try:
+        reference = numpy_only(combined, mp)
+    finally:
+        mp.undo()
+    assert native.dtype == reference.dtype and native.tobytes() == reference.tobytes()
+
+
+@needs_native
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), T=st.integers(1, 40), k=st.integers(1, 3), W=st.integers(1, 2),
+       cuts=st.lists(st.integers(1, 7), min_size=1, max_size=6), representation=st.sampled_from(REPRESENTATIONS))
+def test_bf16_chunks_summed_as_they_land_give_numpys_bits(seed, T, k, W, cuts, representation):
+    rng = np.random.default_rng(seed)
+    d = 5
+    plan = random_plan(rng, T, k, 4, W, 0.2)
+    ys = bf16_outputs(rng, plan, d, representation)
+
+    def summed():
+        acc = plan.accumulator(d)
+        for w in range(W):
+            n, lo, i = plan.worker_tokens(w), 0, 0
+            while lo < n:
+                hi = min(n, lo + cuts[i % len(cuts)])
+                plan.accumulate(w, lo, hi, ys[w][lo:hi], acc)
+                lo, i = hi, i + 1
+        return acc.array.copy(), plan.finish(acc, np.zeros((T, d), ys[0].dtype))
+
+    native_sum, native = summed()
+    mp = pytest.MonkeyPatch()
+    try:
+        reference_sum, reference = numpy_only(summed, mp)
+    finally:
+        mp.undo()
+    # the float32 sums (rounding to bf16 would hide a last-bit difference in them), then bf16
+    assert native_sum.tobytes() == reference_sum.tobytes() and native.tobytes() == reference.tobytes()
+    # and the sum in chunks is the combine sent whole, bit for bit (one float32 sum, rounded once)
+    assert native.tobytes() == plan.combine(ys, np.empty((T, d), ys[0].dtype)).tobytes()
+
+
+@needs_native
+def test_a_bf16_combine_of_megabytes_streamed_past_the_cache_gives_numpys_bits():
+    """First contributions of a megabyte or more are widened and streamed four lanes at a
+    time: numpy's bits."""
+    rng = np.random.default_rng(3)
+    plan = random_plan(rng, 700, 2, 8, 2, 0.1)
+    ys = bf16_outputs(rng, plan, 1024, "uint16")
+    native = plan.combine(ys, np.empty((700, 1024), np.uint16))
+    mp = pytest.MonkeyPatch()
+    try:
+        reference = numpy_only(lambda: plan.combine(ys, np.empty((700, 1024), np.uint16)), mp)
+    finally:
+        mp.undo()
+    assert native.tobytes() == reference.tobytes()
+
+
+@needs_native
+@SETTINGS
+@given(words=st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=64),
+       special=st.sampled_from([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001,
+                                0xFFFFFFFF, 0x7F7FFFFF, 0x3F808000, 0x3F818000, 0x00008000, 0x7F7F8000]))
+def test_the_compiled_bf16_rounding_gives_from_float32s_bits(words, special):
+    """Every float32 bit pattern (ties, both ways to even, the largest finite values that round
+    to infinity, subnormals, signalling and quiet NaNs with any payload): the same bf16 bits
+    as workers/bf16.py's six numpy passes."""
+    from workers import bf16
+    a = np.array(words + [special], np.uint32).view(np.float32)
+    got = np.full(a.size, 0xABCD, np.uint16)
+    dispatch._native.to_bf16(got, a)
+    with np.errstate(invalid="ignore"):
+        want = bf16.from_float32(a)
+    assert got.tobytes() == want.tobytes()
+
+
+@needs_native
+def test_the_compiled_bf16_rounding_refuses_arrays_of_the_wrong_kind():
+    a = np.ones(4, np.float32)
+    for out, src in ((np.zeros(4, np.int16), a), (np.zeros(3, np.uint16), a), (np.zeros(4, np.uint16), a[::2]),
+                     (np.zeros(4, np.uint16), a.astype(np.float64)), (np.zeros(8, np.uint8), a)):
+        with pytest.raises((ValueError, BufferError)):
+            dispatch._native.to_bf16(out, src)
+    ro = np.zeros(4, np.uint16)
+    ro.flags.writeable = False
+    with pytest.raises((ValueError, BufferError)):
+        dispatch._native.to_bf16(ro, a)
+    assert not ro.any()
+    with pytest.raises(TypeError):
+        dispatch._native.to_bf16(np.zeros(4, np.uint16))
+
+
 @needs_native
 def test_an_index_out_of_range_writes_nothing():
     from gateway import _combine
