@@ -194,9 +194,9 @@ def test_a_bf16_combine_of_megabytes_streamed_past_the_cache_gives_numpys_bits()
        special=st.sampled_from([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001,
                                 0xFFFFFFFF, 0x7F7FFFFF, 0x3F808000, 0x3F818000, 0x00008000, 0x7F7F8000]))
 def test_the_compiled_bf16_rounding_gives_from_float32s_bits(words, special):
-    """Every float32 bit pattern (ties, both ways to even, the largest finite values that round
-    to infinity, subnormals, signalling and quiet NaNs with any payload): the same bf16 bits
-    as workers/bf16.py's six numpy passes."""
+    """Random float32 bit patterns beside one special each time (ties rounding both ways to
+    even, the largest finite value that rounds to infinity, a subnormal tie, signalling and
+    quiet NaNs, infinities, zeros): the same bf16 bits as workers/bf16.py's six numpy passes."""
     from workers import bf16
     a = np.array(words + [special], np.uint32).view(np.float32)
     got = np.full(a.size, 0xABCD, np.uint16)
