@@ -312,9 +312,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}")
     if args.plot:
         from bench.load import write_plot
-        cfg = (f"{args.n_experts} experts, top-{args.top_k}, d_model {dims['d_model']}, d_ff {dims['d_ff']}, "
-               f"{args.local_workers} worker process(es); {args.rounds} rounds x {args.batches} batches per run")
-        write_plot(lambda: plot(rows, args.plot, cfg), args.plot, anything=bool(rows))
+        title = (f"{args.n_experts} experts, top-{args.top_k}, d_model {dims['d_model']}, d_ff {dims['d_ff']}, "
+                 f"{args.local_workers} worker process(es); {args.rounds} rounds x {args.batches} batches per run")
+        write_plot(lambda: plot(rows, args.plot, title), args.plot, anything=bool(rows))
     return 0
 
 

@@ -38,6 +38,11 @@ def _native_src(y: np.ndarray) -> np.ndarray:
     return y if y.dtype == np.float32 else bf16.bits(y)
 
 
+def _widened(a: np.ndarray) -> np.ndarray:
+    """Narrow replies (bf16, float16) as float32, exactly: the numpy path's sums are float32."""
+    return bf16.to_float32(a) if bf16.is_bf16(a.dtype) else a.astype(np.float32)
+
+
 def _round_bf16(acc: np.ndarray, out: np.ndarray) -> None:
     """A float32 sum into a bf16 ``out``, rounded to nearest even: in one compiled pass where
     it is built (the same bits as bf16.from_float32's six)."""
@@ -294,7 +299,7 @@ class DispatchPlan:
                 continue
             contrib = np.take(outputs[w], rows, axis=0)
             if out.dtype == np.float32 and contrib.dtype != np.float32:  # narrow replies, widened exactly
-                contrib = bf16.to_float32(contrib) if bf16.is_bf16(contrib.dtype) else contrib.astype(np.float32)
+                contrib = _widened(contrib)
             contrib *= wts
             if first:
                 out[toks] = contrib
@@ -334,7 +339,7 @@ class DispatchPlan:
                 continue
             contrib = np.take(y, rows[a:b] - lo, axis=0)
             if contrib.dtype != np.float32:
-                contrib = bf16.to_float32(contrib) if bf16.is_bf16(contrib.dtype) else contrib.astype(np.float32)
+                contrib = _widened(contrib)
             contrib *= wts[a:b]
             t = toks[a:b]  # token ids are unique within a segment
             old = seen[t].view(bool)

@@ -40,6 +40,16 @@ def numpy_only(fn, monkeypatch):
         return fn()
 
 
+def sum_in_chunks(plan, ys, cuts, acc):
+    """Each worker's replies into ``acc`` as chunks of the sizes in ``cuts``, in turn."""
+    for w in range(plan.n_workers):
+        n, lo, i = plan.worker_tokens(w), 0, 0
+        while lo < n:
+            hi = min(n, lo + cuts[i % len(cuts)])
+            plan.accumulate(w, lo, hi, ys[w][lo:hi], acc)
+            lo, i = hi, i + 1
+
+
 def numpys(fn):
     """``fn()`` with the compiled combine switched off, for hypothesis tests (which cannot
     take the function-scoped monkeypatch fixture)."""
@@ -75,12 +85,7 @@ def test_chunks_summed_as_they_land_give_numpys_bits(seed, T, k, W, cuts):
 
     def summed():  # into an output full of NaN: no row is read before it is written
         acc = plan.accumulator(d, into=np.full((T, d), np.nan, np.float32))
-        for w in range(W):
-            n, lo, i = plan.worker_tokens(w), 0, 0
-            while lo < n:
-                hi = min(n, lo + cuts[i % len(cuts)])
-                plan.accumulate(w, lo, hi, ys[w][lo:hi], acc)
-                lo, i = hi, i + 1
+        sum_in_chunks(plan, ys, cuts, acc)
         return acc.array
 
     native = summed()
@@ -160,12 +165,7 @@ def test_bf16_chunks_summed_as_they_land_give_numpys_bits(seed, T, k, W, cuts, r
 
     def summed():
         acc = plan.accumulator(d)
-        for w in range(W):
-            n, lo, i = plan.worker_tokens(w), 0, 0
-            while lo < n:
-                hi = min(n, lo + cuts[i % len(cuts)])
-                plan.accumulate(w, lo, hi, ys[w][lo:hi], acc)
-                lo, i = hi, i + 1
+        sum_in_chunks(plan, ys, cuts, acc)
         return acc.array.copy(), plan.finish(acc, np.zeros((T, d), ys[0].dtype))
 
     native_sum, native = summed()
