@@ -70,6 +70,15 @@ static inline float widen(uint16_t b) {
     return f;
 }
 
+/* float32 -> bf16 bits, to nearest with ties to even; NaN stays a quiet NaN with its sign
+ * and high payload bits (rounding could carry it to infinity) */
+static inline uint16_t round_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    return (x & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)((x >> 16) | 0x0040u)
+                                            : (uint16_t)((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+}
+
 /* whether v holds fmt's items: "f" (float32) or "q" (int64, which numpy's intp on LP64
  * spells "l") */
 static int is_fmt(const Py_buffer *v, const char *fmt) {
@@ -96,17 +105,22 @@ PyDoc_STRVAR(scatter_doc,
 "written and flagged 1, one flagged 1 is added to.\n"
 "out (T, d): C-contiguous float32; y (n, d): C-contiguous float32, or uint16 holding bf16\n"
 "bits (widened exactly as each row is read); rows and toks: int64; wts: float32, one\n"
-"per row. ValueError, with nothing written, if any index is outside its array.");
+"per row. ValueError, with nothing written, if any index is outside its array.\n\n"
+"scatter(out, y, rows, toks, wts, row0, first, left, fin) also finishes tokens: left (uint8,\n"
+"one per token of out, each below 128) counts the contributions each token still awaits, and\n"
+"fin (uint16, out's element count) takes the bf16 bits of a token's sum, rounded to nearest\n"
+"even as to_bf16 rounds it, when its last contribution is added: that token's row of out is\n"
+"then left as it was. A token may then appear once per call, and only while it awaits one.");
 
 static PyObject *scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "scatter() takes 7 arguments");
+    if (nargs != 7 && nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "scatter() takes 7 or 9 arguments");
         return NULL;
     }
     long long row0 = PyLong_AsLongLong(args[5]);
     if (row0 == -1 && PyErr_Occurred())
         return NULL;
-    Py_buffer out, y, rows, toks, wts, seen = {0};
+    Py_buffer out, y, rows, toks, wts, seen = {0}, lb = {0}, fb = {0};
     int assign = 0;
     unsigned char *flags = NULL;
     if (!PyBool_Check(args[6]) && !PyLong_Check(args[6]) && PyObject_CheckBuffer(args[6])) {
@@ -137,13 +151,40 @@ static PyObject *scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         goto fail_rows;
     if (get1d(args[4], &wts, "f", count, "wts") < 0)
         goto fail_toks;
+    unsigned char *left = NULL;
+    uint16_t *fin = NULL;
+    if (nargs == 9) {
+        if (PyObject_GetBuffer(args[7], &lb, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+            goto fail;
+        if (PyObject_GetBuffer(args[8], &fb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
+            goto fail_left;
+        if (lb.len != T || fb.itemsize != 2 || fb.format == NULL || strcmp(fb.format, "H") != 0
+                || fb.len / 2 != T * d) {
+            PyErr_Format(PyExc_ValueError, "left must hold %zd counts and fin %zd uint16 bf16 bits", T, T * d);
+            goto fail_fin;
+        }
+        left = lb.buf;
+        fin = fb.buf;
+    }
     const int64_t *r = rows.buf, *t = toks.buf;
     for (Py_ssize_t i = 0; i < count; i++) {
         if (t[i] < 0 || t[i] >= T || r[i] < row0 || r[i] - row0 >= n) {
             PyErr_Format(PyExc_ValueError, "entry %zd: token %lld of %zd, row %lld of [%lld, %lld)",
                          i, (long long)t[i], T, (long long)r[i], row0, row0 + (long long)n);
-            goto fail;
+            goto fail_fin;
         }
+    }
+    /* a token awaiting nothing, or named twice: refused with the counts as they were. Each
+     * count is taken now and marked (bit 7) until the loop below takes the mark off. */
+    for (Py_ssize_t i = 0; left != NULL && i < count; i++) {
+        if (left[t[i]] == 0 || left[t[i]] & 0x80) {
+            PyErr_Format(PyExc_ValueError, "entry %zd: token %lld %s", i, (long long)t[i],
+                         left[t[i]] & 0x80 ? "appears twice (or counts 128 or more)" : "awaits no contribution");
+            while (i-- > 0)
+                left[t[i]] = (unsigned char)((left[t[i]] & 0x7F) + 1);
+            goto fail_fin;
+        }
+        left[t[i]] = (unsigned char)((left[t[i]] - 1) | 0x80);
     }
     float *o = out.buf;
     const float *src = y.buf, *w = wts.buf;
@@ -165,6 +206,23 @@ static PyObject *scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         if (flags != NULL) {
             write = !flags[t[i]];
             flags[t[i]] = 1;
+        }
+        if (left != NULL && (left[t[i]] &= 0x7F) == 0) {  /* its last: rounded into fin, out untouched */
+            uint16_t *f = fin + t[i] * d;
+            const uint16_t *s16 = src16 + (r[i] - row0) * d;
+            if (y16 && write)
+                for (Py_ssize_t j = 0; j < d; j++)
+                    f[j] = round_bf16(wi * widen(s16[j]));
+            else if (y16)
+                for (Py_ssize_t j = 0; j < d; j++)
+                    f[j] = round_bf16(dst[j] + wi * widen(s16[j]));
+            else if (write)
+                for (Py_ssize_t j = 0; j < d; j++)
+                    f[j] = round_bf16(wi * s[j]);
+            else
+                for (Py_ssize_t j = 0; j < d; j++)
+                    f[j] = round_bf16(dst[j] + wi * s[j]);
+            continue;
         }
         if (y16) {
             const uint16_t *s16 = src16 + (r[i] - row0) * d;
@@ -206,6 +264,10 @@ static PyObject *scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         _mm_sfence();
 #endif
     Py_END_ALLOW_THREADS
+    if (left != NULL) {
+        PyBuffer_Release(&fb);
+        PyBuffer_Release(&lb);
+    }
     PyBuffer_Release(&wts);
     PyBuffer_Release(&toks);
     PyBuffer_Release(&rows);
@@ -214,6 +276,12 @@ static PyObject *scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (flags != NULL)
         PyBuffer_Release(&seen);
     Py_RETURN_NONE;
+fail_fin:
+    if (fb.obj != NULL)
+        PyBuffer_Release(&fb);
+fail_left:
+    if (lb.obj != NULL)
+        PyBuffer_Release(&lb);
 fail:
     PyBuffer_Release(&wts);
 fail_toks:
@@ -418,16 +486,12 @@ static PyObject *to_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyBuffer_Release(&out);
         return NULL;
     }
-    const uint32_t *u = a.buf;
+    const float *u = a.buf;
     uint16_t *o = out.buf;
     const Py_ssize_t n = a.len / 4;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const uint32_t x = u[i];
-        /* NaN: exponent all ones and a mantissa; rounding could carry it to infinity */
-        o[i] = (x & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)((x >> 16) | 0x0040u)
-                                                 : (uint16_t)((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
-    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        o[i] = round_bf16(u[i]);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&a);
     PyBuffer_Release(&out);

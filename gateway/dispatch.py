@@ -9,7 +9,7 @@ worker occupies two rows of that worker's block.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence, Union
+from typing import Mapping, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -82,6 +82,7 @@ class DispatchPlan:
         self._tokens = tokens
         self._slots, self._weights = slots, weights  # for the combine tables, made when first used
         self._tables: Optional[tuple[list, np.ndarray, np.ndarray]] = None
+        self._awaits: Optional[np.ndarray] = None  # contributions per token, made when first used
         self._offsets = np.zeros(n_workers + 1, dtype=np.int64)
         np.cumsum(counts.sum(axis=1), out=self._offsets[1:])
         self.expert_counts: np.ndarray = counts.sum(axis=0)
@@ -279,33 +280,64 @@ class DispatchPlan:
                 raise ValueError(f"output of worker {w} must have shape {(n, d)}, got {got}")
         if out.dtype.itemsize < 4:
             acc = np.empty(out.shape, np.float32)
-            self._combine(outputs, acc)
-            if bf16.is_bf16(out.dtype):
-                _round_bf16(acc, out)
-            else:
-                np.copyto(out, acc, casting="same_kind")
+            fin = self._finisher(out)
+            self._combine(outputs, acc, fin)
+            if fin is None:
+                if bf16.is_bf16(out.dtype):
+                    _round_bf16(acc, out)
+                else:
+                    np.copyto(out, acc, casting="same_kind")
             return out
         return self._combine(outputs, out)
 
-    def _combine(self, outputs: Sequence[np.ndarray | None], out: np.ndarray) -> np.ndarray:
-        segments, _, unset = self._combine_tables()
+    def _combine(self, outputs: Sequence[np.ndarray | None], out: np.ndarray,
+                 fin: Optional["_Finisher"] = None) -> np.ndarray:
+        segments, untouched, unset = self._combine_tables()
         if unset.size == self.num_tokens:
             out[...] = 0
         elif unset.size:
             out[unset] = 0
+        if fin is not None and untouched.size:
+            fin.bits[untouched] = 0  # bf16 +0.0, as rounding the zeroed sum gives
         for w, rows, toks, wts, first in segments:
-            if _native_ok(outputs[w], out):  # float32, or bf16 widened as it is read
-                _native.scatter(out, _native_src(outputs[w]), rows, toks, wts, 0, first)
-                continue
-            contrib = np.take(outputs[w], rows, axis=0)
-            if out.dtype == np.float32 and contrib.dtype != np.float32:  # narrow replies, widened exactly
-                contrib = _widened(contrib)
-            contrib *= wts
-            if first:
-                out[toks] = contrib
-            else:
-                out[toks] += contrib
+            self._add(outputs[w], rows, toks, wts, 0, first, out, fin)
         return out
+
+    def _add(self, y: np.ndarray, rows: np.ndarray, toks: np.ndarray, wts: np.ndarray, row0: int,
+             first: Union[bool, np.ndarray], out: np.ndarray, fin: Optional["_Finisher"]) -> None:
+        """out[toks[i]] = (first) or += wts[i] * y[rows[i] - row0]; ``first`` a flag for all
+        or each token's (a ChunkSum's seen). With ``fin``, a token's last contribution makes
+        its sum, rounded to bf16, in fin.bits instead (one pass over the sum, not two)."""
+        if _native_ok(y, out):  # float32, or bf16 widened as it is read
+            extra = () if fin is None else (fin.left, fin.bits)
+            _native.scatter(out, _native_src(y), rows, toks, wts, row0, first, *extra)
+            return
+        contrib = np.take(y, rows - row0, axis=0)
+        if out.dtype == np.float32 and contrib.dtype != np.float32:  # narrow replies, widened exactly
+            contrib = _widened(contrib)
+        contrib *= wts
+        if isinstance(first, np.ndarray):
+            old = first[toks].view(bool)  # token ids are unique within a segment
+            out[toks[~old]] = contrib[~old]
+            out[toks[old]] += contrib[old]
+            first[toks] = 1
+        elif first:
+            out[toks] = contrib
+        else:
+            out[toks] += contrib
+        if fin is not None:
+            fin.left[toks] -= 1
+            done = toks[fin.left[toks] == 0]
+            fin.bits[done] = bf16.from_float32(out[done])
+
+    def _finisher(self, out: np.ndarray) -> Optional["_Finisher"]:
+        """Rounding as each token's last contribution lands, for a bf16 ``out`` whose bits the
+        compiled combine can write (else None: the sum is rounded in a pass of its own)."""
+        if not bf16.is_bf16(out.dtype) or not out.flags.c_contiguous or _native is None or self.top_k > 127:
+            return None
+        if self._awaits is None:  # each token's contributions: its slots not dropped
+            self._awaits = np.bincount(self._tokens, minlength=self.num_tokens).astype(np.uint8)
+        return _Finisher(self._awaits.copy(), bf16.bits(out))
 
     # -- combine as chunks land --------------------------------------------
 
@@ -314,44 +346,46 @@ class DispatchPlan:
         (T, d) array (the output, summed in place), else a new one. Nothing is zeroed but
         the tokens whose every slot was dropped (0, as :meth:`combine` makes them): each
         other token's row is written by its first contribution (see :class:`ChunkSum`)."""
+        fin = None
         if into is not None and into.dtype == np.float32 and into.shape == (self.num_tokens, d):
             array = into
         else:
             array = np.empty((self.num_tokens, d), np.float32)
+            if into is not None and into.shape == (self.num_tokens, d):
+                fin = self._finisher(into)
         untouched = self._combine_tables()[1]
         if untouched.size:
             array[untouched] = 0
-        return ChunkSum(array)
+            if fin is not None:
+                fin.bits[untouched] = 0
+        return ChunkSum(array, fin, into if fin is not None else None)
 
     def accumulate(self, w: int, lo: int, hi: int, y: np.ndarray, acc: "ChunkSum") -> None:
         """Add the weighted outputs of rows [lo, hi) of worker w's block (``y``, (hi - lo, d),
         read where it landed) into ``acc``: a worker's rows may come back in several messages,
         each added as it lands and then given back."""
-        out, seen = acc.array, acc.seen
         for sw, rows, toks, wts, _ in self._combine_tables()[0]:
             if sw != w:
                 continue
             a, b = np.searchsorted(rows, (lo, hi))  # a segment's rows are ascending
-            if a == b:
-                continue
-            if _native_ok(y, out):
-                _native.scatter(out, _native_src(y), rows[a:b], toks[a:b], wts[a:b], lo, seen)
-                continue
-            contrib = np.take(y, rows[a:b] - lo, axis=0)
-            if contrib.dtype != np.float32:
-                contrib = _widened(contrib)
-            contrib *= wts[a:b]
-            t = toks[a:b]  # token ids are unique within a segment
-            old = seen[t].view(bool)
-            out[t[~old]] = contrib[~old]
-            out[t[old]] += contrib[old]
-            seen[t] = 1
+            if a < b:
+                self._add(y, rows[a:b], toks[a:b], wts[a:b], lo, acc.seen, acc.array, acc.fin)
 
     @staticmethod
     def finish(acc: "ChunkSum", out: np.ndarray) -> np.ndarray:
         """Write an accumulated sum into ``out`` in its dtype (bf16 rounded to nearest even);
-        nothing to do when it was summed in ``out`` itself."""
+        nothing to do when it was summed in ``out`` itself, or rounded into it token by token
+        as each one's last contribution landed."""
         if acc.array is out:
+            return out
+        if acc.fin is not None:
+            if acc.fin.left.any():
+                raise RuntimeError(f"{int(np.count_nonzero(acc.fin.left))} token(s) still await a contribution")
+            if acc.target is not out:  # another output than the one it was rounded into
+                if bf16.is_bf16(out.dtype):
+                    np.copyto(bf16.bits(out), acc.fin.bits)
+                else:
+                    np.copyto(out, bf16.to_float32(acc.target), casting="same_kind")
             return out
         if bf16.is_bf16(out.dtype):
             _round_bf16(acc.array, out)
@@ -372,11 +406,22 @@ class ChunkSum:
     chunks behind them waited. The same bits as adding to zeros, except that a first
     contribution of -0.0 stays -0.0 (as :meth:`DispatchPlan.combine` writes it too)."""
 
-    __slots__ = ("array", "seen")
+    __slots__ = ("array", "seen", "fin", "target")
 
-    def __init__(self, array: np.ndarray):
+    def __init__(self, array: np.ndarray, fin: Optional["_Finisher"] = None, target: Optional[np.ndarray] = None):
         self.array = array
         self.seen = np.zeros(array.shape[0], np.uint8)  # 1: the token's row holds a contribution
+        # a bf16 output (target) rounded into token by token as each one's sum completes:
+        # what is left after the last chunk is its own rows, not a pass over the whole sum
+        self.fin, self.target = fin, target
+
+
+class _Finisher(NamedTuple):
+    """The contributions each token still awaits, and the bf16 bits its sum is rounded into
+    when the last one lands."""
+
+    left: np.ndarray  # uint8 per token
+    bits: np.ndarray  # uint16 (T, d): the output's bits
 
 
 def split_over_replicas(topk_idx: np.ndarray, replicas: Mapping[int, Sequence[int]] | Sequence[Sequence[int]],

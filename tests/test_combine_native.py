@@ -177,6 +177,89 @@ def test_bf16_chunks_summed_as_they_land_give_numpys_bits(seed, T, k, W, cuts, r
 
 
 @needs_native
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), T=st.integers(1, 40), k=st.integers(1, 3), W=st.integers(1, 2),
+       cuts=st.lists(st.integers(1, 7), min_size=1, max_size=6), representation=st.sampled_from(REPRESENTATIONS),
+       compiled_add=st.booleans())
+def test_bf16_tokens_rounded_as_their_last_chunk_lands_give_numpys_bits(seed, T, k, W, cuts, representation,
+                                                                        compiled_add):
+    """Summed into a bf16 output known up front, each token's sum is rounded into it when its
+    last contribution lands, not in a pass after the last chunk: the bits numpy gives by
+    summing everything and rounding once, the combine sent whole's too. ``compiled_add``
+    False: the replies are added by numpy's path, which rounds finished tokens the same way."""
+    rng = np.random.default_rng(seed)
+    d = 5
+    plan = random_plan(rng, T, k, 4, W, 0.2)
+    ys = bf16_outputs(rng, plan, d, representation)
+
+    def summed(out):
+        acc = plan.accumulator(d, into=out)
+        sum_in_chunks(plan, ys, cuts, acc)
+        return acc, plan.finish(acc, out)
+
+    def nans():  # no row of it is read, and every row is written
+        return np.full((T, d), 0x7FC1, np.uint16).view(ys[0].dtype)
+
+    mp = pytest.MonkeyPatch()
+    try:
+        if not compiled_add:
+            mp.setattr(dispatch, "_native_ok", lambda y, out: False)
+        out = nans()
+        acc, native = summed(out)
+    finally:
+        mp.undo()
+    assert native is out and acc.fin is not None and not acc.fin.left.any()
+    reference = numpys(lambda: summed(np.zeros((T, d), ys[0].dtype))[1])
+    assert native.tobytes() == reference.tobytes()
+    assert native.tobytes() == plan.combine(ys, np.empty((T, d), ys[0].dtype)).tobytes()
+    # finished into another output than the one it was rounded into: the same bits, copied
+    assert plan.finish(acc, nans()).tobytes() == reference.tobytes()
+
+
+@needs_native
+def test_a_bf16_sum_finished_before_its_last_chunk_is_refused():
+    rng = np.random.default_rng(5)
+    plan = random_plan(rng, 30, 2, 4, 2, 0.0)
+    ys = bf16_outputs(rng, plan, 4, "uint16")
+    out = np.zeros((30, 4), np.uint16)
+    acc = plan.accumulator(4, into=out)
+    plan.accumulate(0, 0, plan.worker_tokens(0), ys[0], acc)
+    with pytest.raises(RuntimeError, match="still await"):
+        plan.finish(acc, out)
+
+
+@needs_native
+def test_finishing_a_token_rounds_its_sum_into_fin_and_refuses_miscounts_writing_nothing():
+    from gateway import _combine
+    out = np.zeros((3, 2), np.float32)
+    fin = np.zeros((3, 2), np.uint16)
+    seen = np.zeros(3, np.uint8)
+    left = np.array([2, 1, 0], np.uint8)
+    y = np.float32([[1.0, 2.0], [3.0, 1.0 + 3 * 2.0 ** -9]])  # the last: past halfway to 1 + 2^-7
+    w = np.float32([1, 1])
+    rows, toks = np.array([0, 1], np.int64), np.array([0, 1], np.int64)
+    _combine.scatter(out, y, rows, toks, w, 0, seen, left, fin)
+    assert left.tolist() == [1, 0, 0] and seen.tolist() == [1, 1, 0]
+    assert out.tolist() == [[1, 2], [0, 0]] + [[0, 0]]  # token 1 finished: its sum row untouched
+    assert fin[1].tolist() == [0x4040, 0x3F81] and not fin[0].any()  # 3.0, and 1 + 2^-7
+    _combine.scatter(out, y, np.array([1], np.int64), np.array([0], np.int64), np.float32([2]), 0, seen, left, fin)
+    assert left.tolist() == [0, 0, 0] and fin[0].tolist() == [0x40E0, 0x4080]  # 1 + 2 * 3, 2 + 2 * 1.006 to 4
+    before = [a.copy() for a in (out, fin, seen)]
+    left[:] = [1, 1, 0]
+    for named, why in (([0, 2], "awaits no contribution"), ([1, 1], "twice")):
+        with pytest.raises(ValueError, match=why):
+            _combine.scatter(out, y, rows, np.array(named, np.int64), w, 0, seen, left, fin)
+        assert left.tolist() == [1, 1, 0]  # the counts as they were
+        assert all((a == b).all() for a, b in zip((out, fin, seen), before))
+    for bad_left, bad_fin in ((np.zeros(2, np.uint8), fin), (left, np.zeros((3, 3), np.uint16)),
+                              (left, np.zeros((3, 2), np.float32))):
+        with pytest.raises(ValueError, match="left must hold"):
+            _combine.scatter(out, y, rows, toks, w, 0, seen, bad_left, bad_fin)
+    with pytest.raises(TypeError):
+        _combine.scatter(out, y, rows, toks, w, 0, seen, left)
+
+
+@needs_native
 def test_a_bf16_combine_of_megabytes_streamed_past_the_cache_gives_numpys_bits():
     """First contributions of a megabyte or more are widened and streamed four lanes at a
     time: numpy's bits."""

@@ -142,8 +142,12 @@ class Daemons:
         assert not any(t.is_alive() for t in self.threads)
 
 
+@pytest.mark.parametrize("chunk_rows", ["auto", 3], ids=["whole", "chunks-3"])
 @pytest.mark.parametrize("wire", ["float32", "bfloat16"])
-def test_pool_over_daemons_equals_checkpoint_moe(ckpt, wire, shared_secret):
+def test_pool_over_daemons_equals_checkpoint_moe(ckpt, wire, chunk_rows, shared_secret):
+    """Chunks of 3 rows: a forward's bf16 output is rounded token by token as each token's
+    last chunk lands; the mixed-layer requests, dispatched with no output, are rounded once
+    all is in."""
     layers = load_gateway_layers(ckpt)
     assert sorted(layers) == [1, 2]
     dt = bf16.wire_dtype(wire)
@@ -153,7 +157,7 @@ def test_pool_over_daemons_equals_checkpoint_moe(ckpt, wire, shared_secret):
     assert len({id(next(iter(d.experts.values())).scratch) for d in ds.daemons}) == 2
     try:
         with WorkerPool(ds.urls, {L: g.router for L, g in layers.items()}, dtype=wire, max_batch_tokens=64,
-                        secret=shared_secret, fingerprints={L: g.fingerprint for L, g in layers.items()}) as pool:
+                        secret=shared_secret, chunk_rows=chunk_rows, fingerprints={L: g.fingerprint for L, g in layers.items()}) as pool:
             rng = np.random.default_rng(5)
             xs = {L: rng.standard_normal((40, D)).astype(np.float32) for L in layers}
             if wire == "bfloat16":
