@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from gateway.chunking import ChunkMode, ChunkSetting, chunk_groups, parse_chunk_rows, split_part
-from gateway.dispatch import ChunkSum, DispatchPlan, split_over_replicas
+from gateway.dispatch import ChunkSum, DispatchPlan, SumBuffers, split_over_replicas
 from gateway.reply_clock import ReplyClock
 from gateway.replicas import BALANCING, choose_least_loaded, choose_replicas
 from gateway.router import Routing
@@ -144,6 +144,7 @@ class Request:
         t = time.perf_counter()
         if self.acc is not None:  # a chunked round: summed as the chunks landed
             self.plan.finish(self.acc, out)
+            self.drop_sum()
             rnd.stats.combine_s += time.perf_counter() - t
             rnd.combined()
             return out
@@ -155,22 +156,31 @@ class Request:
             else:
                 base = self.bases[w]
                 outputs.append(rnd.replies[w][0][1][base:base + n])
-        self.plan.combine(outputs, out)
+        self.plan.combine(outputs, out, sums=rnd.sums)
         rnd.stats.combine_s += time.perf_counter() - t
         rnd.combined()
         return out
+
+    def drop_sum(self) -> None:
+        """Its chunked sum is done with (combined, or its round given up)."""
+        acc, self.acc = self.acc, None
+        if acc is not None:
+            acc.release()
 
     def release(self) -> None:
         """Done with this request's outputs: its share of the replies goes back."""
         rnd, self.round = self.round, None
         if rnd is not None:
             rnd.detach(self)
-        self.x = self.acc = self.out = None
+        self.drop_sum()
+        self.x = self.out = None
 
 
 class Round:
-    def __init__(self, rid: int, requests: list, deadline: float, layer: int = P.DEFAULT_LAYER):
+    def __init__(self, rid: int, requests: list, deadline: float, layer: int = P.DEFAULT_LAYER,
+                 sums: Optional[SumBuffers] = None):
         self.id = rid
+        self.sums = sums  # where its requests' float32 sums are taken from
         self.layer = layer
         self.requests = requests
         self.deadline = deadline
@@ -295,6 +305,7 @@ class RoundBook:
         self.decide_pins = decide_pins or (lambda layer: {})
         self._ids = next_id or _counter()
         self.rounds: dict[int, Round] = {}
+        self.sums = SumBuffers()  # float32 sums of narrow outputs, reused (fresh pages fault)
         self._finished: list[Request] = []
         self._settled: list[Round] = []  # rounds whose every part is done (for metrics)
         self._avoid: frozenset = frozenset()  # workers a retry round must not use
@@ -338,7 +349,7 @@ class RoundBook:
         route_s = time.perf_counter() - t
         if not live:
             return None
-        rnd = Round(self._ids(), live, time.monotonic() + self.timeout, live[0].layer)
+        rnd = Round(self._ids(), live, time.monotonic() + self.timeout, live[0].layer, self.sums)
         for other in self.rounds.values():
             other.alone = rnd.alone = False
         rnd.stats.route_s = route_s
@@ -474,7 +485,7 @@ class RoundBook:
             for r in users:
                 r.waiting.update((w, c) for c in rnd.chunks_of(r, w))
         for r in reqs:
-            r.acc = None  # a chunked round's sums are made once its messages are out (_sums)
+            r.drop_sum()  # a chunked round's sums are made once its messages are out (_sums)
             if not r.waiting:  # every token dropped by capacity: nothing to wait for
                 self._finish(r)
 
@@ -484,7 +495,7 @@ class RoundBook:
         if rnd.chunked:
             for r in rnd.requests:
                 if r.round is rnd and r.waiting and r.acc is None:
-                    r.acc = r.plan.accumulator(self.d_model, into=r.out)
+                    r.acc = r.plan.accumulator(self.d_model, into=r.out, sums=self.sums)
 
     def _send(self, rnd: Round) -> None:
         for w_index, rows in list(rnd.rows.items()):

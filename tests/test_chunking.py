@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.chunking import MIN_CHUNK, ChunkCosts, choose_chunks, chunk_groups, parse_chunk_rows, part_bounds
-from gateway.dispatch import DispatchPlan
+from gateway.dispatch import DispatchPlan, SumBuffers
 from workers import bf16
 
 
@@ -468,6 +468,54 @@ def test_accumulator_sums_into_a_float32_output():
     half = np.empty((plan.num_tokens, 4), bf16.wire_dtype("bfloat16"))
     acc = plan.accumulator(4, into=half)  # a narrow output is summed in float32 and rounded once
     assert acc.array is not half and acc.array.dtype == np.float32
+
+
+def test_sum_buffers_hand_the_same_memory_back_and_keep_the_largest():
+    sums = SumBuffers(keep=2)
+    a = sums.take((4, 3))
+    assert a.shape == (4, 3) and a.dtype == np.float32 and len(sums) == 0
+    sums.give(a)
+    b = sums.take((2, 5))  # smaller: the same memory, reshaped
+    assert len(sums) == 0 and np.shares_memory(a, b) and b.shape == (2, 5)
+    c = sums.take((5, 3))  # none free: a new one
+    assert not np.shares_memory(b, c)
+    sums.give(b)
+    with pytest.raises(RuntimeError, match="twice"):
+        sums.give(b)
+    sums.give(c)
+    big = sums.take((10, 10))  # larger than both: new; given back, it replaces the smallest
+    sums.give(big)
+    assert len(sums) == 2 and np.shares_memory(sums.take((10, 10)), big) and np.shares_memory(sums.take((5, 3)), c)
+    sums.give(np.zeros((4, 3), np.float32))  # a caller's own array (no 1-D base): never kept
+    sums.give(np.zeros(12, np.float64)[:6])
+    assert len(sums) == 0
+
+
+def test_a_combine_takes_its_float32_sum_from_sum_buffers_and_gives_it_back():
+    plan, rng = _plan()
+    d = 8
+    ys = [bf16.from_float32(rng.standard_normal((plan.worker_tokens(w), d)).astype(np.float32))
+          for w in range(plan.n_workers)]
+    want = plan.combine(ys, np.empty((plan.num_tokens, d), np.uint16))
+    sums = SumBuffers()
+    stale = sums.take((plan.num_tokens, d))
+    stale[:] = np.nan  # what the last request left there is never read
+    sums.give(stale)
+    assert plan.combine(ys, np.empty((plan.num_tokens, d), np.uint16), sums=sums).tobytes() == want.tobytes()
+    assert len(sums) == 1
+    acc = plan.accumulator(d, into=np.empty((plan.num_tokens, d), np.uint16), sums=sums)
+    assert len(sums) == 0 and np.shares_memory(acc.array, stale)
+    for w in range(plan.n_workers):
+        plan.accumulate(w, 0, plan.worker_tokens(w), ys[w], acc)
+    assert plan.finish(acc, np.empty((plan.num_tokens, d), np.uint16)).tobytes() == want.tobytes()
+    acc.release()
+    acc.release()  # once given back, never again
+    assert len(sums) == 1
+    own = np.empty((plan.num_tokens, d), np.float32)  # a float32 output is summed in place: not the sums'
+    acc = plan.accumulator(d, into=own, sums=sums)
+    assert acc.array is own and len(sums) == 1
+    acc.release()
+    assert len(sums) == 1 and not np.shares_memory(sums.take((plan.num_tokens, d)), own)
 
 
 def _plan(T=23, k=3, n_workers=3, n_experts=6, seed=0):
