@@ -189,6 +189,57 @@ def test_a_worker_that_fails_its_part_is_retried_on_a_replica_once(chunk_rows):
 
 
 @CHUNKS
+def test_replies_go_in_the_slot_taken_at_dispatch_and_every_slot_comes_back(chunk_rows):
+    """Each request's output is the reply slot it took when it went out (a chunked round sums
+    into it as chunks land), answered or not: failed requests give theirs back, and so does
+    a client that left with its requests in flight."""
+    s = _stack([[0, 1], [2, 3]], chunk_rows=chunk_rows, max_wait_ms=5.0)
+    late = []
+    reply = s.server.loop.reply
+    s.server.loop.reply = lambda *a: late.append(a) or reply(*a)  # the slot taken only at the reply
+    try:
+        with GatewayClient(s.server.url, timeout=5) as c:
+            ids = [c.submit(tokens(16, seed)) for seed in range(6)]  # batched: rounds of several
+            for seed, i in enumerate(ids):
+                np.testing.assert_allclose(c.result(i), s.expected(tokens(16, seed)), rtol=1e-5, atol=1e-6)
+            s.workers[1].fail = True  # experts 2, 3 have no replica: those requests fail
+            for seed in range(6):
+                try:
+                    np.testing.assert_allclose(c.forward(tokens(16, seed)), s.expected(tokens(16, seed)),
+                                               rtol=1e-5, atol=1e-6)
+                except P.RemoteError as e:  # failed, then refused while the worker is unhealthy
+                    assert e.code in (P.WORKER_FAILED, P.UNAVAILABLE)
+            all_slots_back(s.server.clients())
+            s.workers[1].fail = False
+            c.submit(tokens(16, 1))  # likely still in flight when the client goes
+        assert late == []
+        with GatewayClient(s.server.url, timeout=5) as c:  # the gateway serves on
+            deadline = time.monotonic() + 5
+            while True:  # once a ping has taken worker 1 back
+                try:
+                    np.testing.assert_allclose(c.forward(tokens(16, 3)), s.expected(tokens(16, 3)),
+                                               rtol=1e-5, atol=1e-6)
+                    break
+                except P.RemoteError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            all_slots_back(s.server.clients())
+    finally:
+        s.close()
+
+
+def all_slots_back(conns):
+    """Every send slot of the gateway's one client connection is free (the client has read
+    all its replies), within a few seconds."""
+    assert len(conns) == 1
+    pool = conns[0].send_pool
+    deadline = time.monotonic() + 5
+    while pool.available != pool.nslots:
+        assert time.monotonic() < deadline, f"{pool.nslots - pool.available} reply slot(s) never came back"
+        time.sleep(0.01)
+
+
+@CHUNKS
 def test_hot_update_pins_whole_requests_and_ends(chunk_rows):
     s = _stack([[0, 1], [2, 3]], chunk_rows=chunk_rows)
     try:
