@@ -304,7 +304,8 @@ class GatewayServer:
         out, and make it the request's output: a chunked round sums (or rounds, bf16) each
         chunk into it as it lands, so nothing is copied once the last chunk is in. Taken
         later, the sum went to a buffer of its own, copied into the slot after the round
-        (2 ms and more at a few thousand tokens). A connection already gone takes none."""
+        (float32, d_model 1024: 0.7 ms at 4096 tokens, 1.8 ms at 8192; bf16 was rounded
+        there whole). A connection already gone takes none."""
         client: _Client = req.tag
         if client.reply is not None or req.out is not None:
             return
