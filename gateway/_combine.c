@@ -14,7 +14,10 @@
  * (the 16 bits become a float32's high half), so the sum is the float32 one numpy's path
  * makes after widening a whole segment into a temporary. And the sum is rounded back to
  * bf16 (to_bf16) in one pass: numpy's round-to-nearest-even takes six passes and a scratch
- * array. At 4096 tokens of d_model 1024 the bf16 combine took 28 ms in numpy.
+ * array. At 4096 tokens of d_model 1024 the bf16 combine took 28 ms in numpy. Or, with each
+ * token's count of contributions still to come, scatter rounds a token's sum into the bf16
+ * output as its last contribution is added: a chunked round then has only its last chunk's
+ * tokens left to round, not the whole sum (2.9 ms at 8192 tokens after the last reply).
  *
  * Every index is checked against the array it points into before anything is written,
  * and the loop runs without the GIL.
