@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 import uuid
@@ -222,7 +223,55 @@ def pipelining_gain(whole: dict, chunked: dict) -> dict:
     return {"gain": chunked["tokens_per_s"] / whole["tokens_per_s"], "p50_gain": p50_gain, **b,
             "gateway_cpu_ms": st["gateway_cpu"],
             "round_ms": round_ms, "no_token_ms": idle, "chunked_no_token_ms": chunked["stage_ms"]["no_token"],
-            "p99_ratio": chunked["p99_ms"] / whole["p99_ms"], "messages": chunked["stage_ms"]["messages"]}
+            "p99_ratio": chunked["p99_ms"] / whole["p99_ms"], "messages": chunked["stage_ms"]["messages"],
+            "shortfall": shortfall(st, chunked["stage_ms"], b["of_bound"])}
+
+
+#: the parts of :func:`shortfall`, in the order reports give them
+SHORTFALL_PARTS = ("own_no_token", "busier", "routing", "rest")
+
+
+def shortfall(whole_ms: dict, chunked_ms: dict, of_bound: float) -> dict:
+    """Where the share of the bound a run did not realize went, in points of the bound
+    (``100 * (1 - of_bound)`` in all), from the two systems' per-forward medians in ms
+    (``no_token``, ``busiest``, ``route``). With the busiest worker ``I`` ms of a whole
+    forward ``F`` without a token, a chunked forward ``S`` ms over the bound's ``F - I``
+    realizes about ``1 - S / I`` of it (S and I small against F): each ms of S costs
+    ``100 / I`` points.
+
+    ``own_no_token``: the chunked round's own no-token time (the plan and the first chunk's
+    gather before the worker starts, the last reply's sum after it ends, the worker's gaps
+    between chunks); ``busier``: the busiest worker's receive-to-reply time past a whole
+    part's (its compute beside the gateway's work on the replies, each message's own
+    handling); ``routing``: routing's difference (the bound leaves routing aside, both
+    ways route alike); ``rest``: what the medians leave unattributed (they do not add up
+    exactly, and the share is taken from wall-clock forwards)."""
+    idle = whole_ms["no_token"]
+    missing = 100.0 * (1.0 - of_bound)
+    if not idle > 0 or not math.isfinite(missing):
+        return {k: float("nan") for k in ("missing", *SHORTFALL_PARTS)}
+    pts = {"own_no_token": 100.0 * chunked_ms["no_token"] / idle,
+           "busier": 100.0 * (chunked_ms["busiest"] - whole_ms["busiest"]) / idle,
+           "routing": 100.0 * (chunked_ms["route"] - whole_ms["route"]) / idle}
+    pts["rest"] = missing - sum(pts.values())
+    return {"missing": missing, **pts}
+
+
+def shortfall_medians(stages: list) -> dict:
+    """The per-forward medians (ms) :func:`shortfall` takes, from TransportSystem's stage dicts."""
+    return {"no_token": float(np.median([no_token_s(s) for s in stages])) * 1e3,
+            "busiest": float(np.median([s["busiest_s"] for s in stages])) * 1e3,
+            "route": float(np.median([s["route_s"] for s in stages])) * 1e3}
+
+
+def shortfall_line(sf: dict) -> str:
+    """One line: the missing points and their parts."""
+    if not math.isfinite(sf.get("missing", float("nan"))):
+        return ""
+    names = {"own_no_token": "its own no-token time", "busier": "the busiest worker busier",
+             "routing": "routing", "rest": "the rest"}
+    return (f"{sf['missing']:.0f} points of the bound missing: " +
+            ", ".join(f"{names[k]} {sf[k]:+.0f}" for k in SHORTFALL_PARTS))
 
 
 def gain_bounds(forward_ms: float, no_token_ms: float, gateway_cpu_ms: float, compute_total_ms: float,
@@ -387,7 +436,7 @@ def measure(args: argparse.Namespace, dims: dict) -> dict:
         for name, s in systems.items():
             if isinstance(s, TransportSystem) and s.stages:
                 keys = ("route_s", "dispatch_s", "gather_s", "compute_s", "wait_s", "combine_s", "total_s",
-                        "forward_s", "gateway_cpu_s", "compute_total_s")
+                        "forward_s", "gateway_cpu_s", "compute_total_s", "busiest_s")
                 stage_ms[name] = {k[:-2]: float(np.median([st[k] for st in s.stages])) * 1e3 for k in keys}
                 # the busiest worker's time with no token to compute, per forward
                 stage_ms[name]["no_token"] = float(np.median([no_token_s(st) for st in s.stages])) * 1e3
@@ -414,7 +463,7 @@ def measure(args: argparse.Namespace, dims: dict) -> dict:
     for b in backends:
         r = by[("moe-transport", b)]
         st = {k: v for k, v in r["stage_ms"].items()
-              if k not in ("no_token", "messages", "forward", "gateway_cpu", "compute_total")}
+              if k not in ("no_token", "messages", "forward", "gateway_cpu", "compute_total", "busiest")}
         # the transport's share: sending (dispatch without the MoE gather) and the wait
         # beyond the slowest worker's compute; the gather and combine are MoE's own copies
         share = ((st["dispatch"] - st["gather"]) + max(0.0, st["wait"] - st["compute"])) / st["total"] \
@@ -435,6 +484,8 @@ def measure(args: argparse.Namespace, dims: dict) -> dict:
                   f"possible gain (target >= 80%); the processors allow {g['cpu_bound']:.2f}x (the "
                   f"gateway's own work {g['gateway_cpu_ms']:.1f} ms on its thread, all work over {g['cores']} "
                   f"cores), {100 * g['of_cpu_bound']:.0f}% of that")
+            if shortfall_line(g["shortfall"]):
+                print(f"{b} chunked rounds: {shortfall_line(g['shortfall'])}")
     return {"meta": {"config": dims | {"n_experts": args.n_experts, "top_k": args.top_k,
                                        "local_workers": args.local_workers, "rounds": args.rounds}},
             "results": results, "ceiling_tokens_per_s": ceiling, "ratios": ratios}

@@ -297,6 +297,7 @@ def _measure(B, args, router, owner, systems, layers, direct, name_np, name_ours
     mp_peer = systems["multiprocessing"]
     mp0 = (list(mp_peer.rows), list(mp_peer.kernel_s))
     stages: list = []
+    chunked_stages: list = []  # the chunked system's, for where its share of the bound went
     for r in range(args.rounds):
         for name, sys_ in systems.items():
             pool = sys_.pool if name == name_ours else None
@@ -310,6 +311,8 @@ def _measure(B, args, router, owner, systems, layers, direct, name_np, name_ours
                 if pool is not None:
                     st = sys_.stages[-1]
                     stages.append({**st, "round_s": dt})
+                elif name == name_ours + "+chunks":
+                    chunked_stages.append(sys_.stages[-1])
             if pool is not None:
                 after = _counters(pool)
                 for w in range(W):
@@ -335,7 +338,8 @@ def _measure(B, args, router, owner, systems, layers, direct, name_np, name_ours
     # the direct figure ran once per batch per round, as ours did: same rows
     per_worker["mp_rows"] = [a - b for a, b in zip(mp_peer.rows, mp0[0])]
     per_worker["mp_kernel_s"] = [a - b for a, b in zip(mp_peer.kernel_s, mp0[1])]
-    return {"lat": lat, "per_worker": per_worker, "stages": stages, "flop_row": FLOPS_PER_ROW * d * dff}
+    return {"lat": lat, "per_worker": per_worker, "stages": stages, "chunked_stages": chunked_stages,
+            "flop_row": FLOPS_PER_ROW * d * dff}
 
 
 def _report(results, args, config, compute, wire, cdt, bf16_units, name_np, name_ours) -> dict:
@@ -391,22 +395,28 @@ def _report(results, args, config, compute, wire, cdt, bf16_units, name_np, name
         out["batches"][str(B)] = {"tokens_per_s": tps, "p50_ms": p50, "workers": workers, "stage_ms": med,
                                   "gateway_share": share, "ceiling_tokens_per_s": ceiling}
         if name_ours + "+chunks" in tps:
-            from bench.moe_bench import gain_bounds, no_token_s
+            from bench.moe_bench import gain_bounds, no_token_s, shortfall, shortfall_line, shortfall_medians
             g = tps[name_ours + "+chunks"] / ours
             g50 = p50[name_ours] / p50[name_ours + "+chunks"]  # medians, as the bounds'
             # the bounds as moe-bench moe's, from the whole parts' own clocks
             idle = float(np.median([no_token_s(s) for s in st])) * 1e3
             gw, work = (float(np.median([s[k] for s in st])) * 1e3 for k in ("gateway_cpu_s", "compute_total_s"))
             b = gain_bounds(med["round_s"], idle, gw, work, g50)
+            cst = shortfall_medians(res["chunked_stages"]) if res["chunked_stages"] else None
+            sf = shortfall(shortfall_medians(st), cst, b["of_bound"]) if cst else None
             out["batches"][str(B)].update(chunked_vs_whole=g, chunked_p50_gain=g50, chunks_bound=b["bound"],
                                           chunks_of_bound=b["of_bound"], no_token_ms=idle, gateway_cpu_ms=gw,
-                                          chunks_cpu_bound=b["cpu_bound"], chunks_of_cpu_bound=b["of_cpu_bound"])
+                                          chunks_cpu_bound=b["cpu_bound"], chunks_of_cpu_bound=b["of_cpu_bound"],
+                                          chunked_no_token_ms=cst["no_token"] if cst else None,
+                                          chunks_shortfall=sf)
             print(f"{B}: chunked rounds {g:.2f}x the tokens/s of whole parts, {g50:.2f}x by the median "
                   f"forwards (same kernel, same run); bound {b['bound']:.2f}x (the busiest worker {idle:.1f} ms "
                   f"of a {med['round_s']:.1f} ms forward with no token, routing aside): "
                   f"{100 * b['of_bound']:.0f}% of the possible gain; the processors allow {b['cpu_bound']:.2f}x "
                   f"(the gateway's own work {gw:.1f} ms on its thread, all work over {b['cores']} cores), "
                   f"{100 * b['of_cpu_bound']:.0f}% of that")
+            if sf and shortfall_line(sf):
+                print(f"{B}: chunked rounds: {shortfall_line(sf)}")
     print("\ntargets (issue 12):")
     for t in targets:
         v = f"{100 * t['value']:.1f}%" if t["percent"] else f"{t['value']:.2f}x"

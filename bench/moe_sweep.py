@@ -14,6 +14,8 @@ from typing import Optional
 
 import numpy as np
 
+from bench.moe_bench import SHORTFALL_PARTS
+
 #: the share of the bound item 3 of the pipelining work asks for
 TARGET = 0.8
 
@@ -48,8 +50,17 @@ def summarize(docs: list[dict]) -> list[dict]:
             "chunked_no_token_ms": float(np.median(col("chunked_no_token_ms"))),
             "round_ms": float(np.median(col("round_ms"))),
             "sent_whole": sum(1 for g, w in runs if g["messages"] <= (w.get(backend) or 0)),
+            "shortfall": _median_shortfall([g.get("shortfall") for g, _ in runs]),
         })
     return rows
+
+
+def _median_shortfall(parts: list) -> Optional[dict]:
+    """Each part's median over the runs that have them (None: none has)."""
+    parts = [p for p in parts if p and np.isfinite(p.get("missing", np.nan))]
+    if not parts:
+        return None
+    return {k: float(np.median([p[k] for p in parts])) for k in ("missing", *SHORTFALL_PARTS)}
 
 
 def report(rows: list[dict]) -> str:
@@ -64,17 +75,29 @@ def report(rows: list[dict]) -> str:
         lines.append(f"{r['backend']:<8} {r['batch']:>7} {r['runs']:>4} {share:>24} {r['met']:>2}/{r['runs']:<2} "
                      f"{r['bound']:5.3f}x {r['p50_gain']:7.3f}x {r['gain']:6.3f}x (>={r['gain_min']:.3f}) "
                      f"{r['p99_ratio']:5.2f}x {r['no_token_ms']:12.2f} / {r['chunked_no_token_ms']:.2f}{whole}")
+    parted = [r for r in rows if r.get("shortfall")]
+    if parted:
+        lines += ["", "where the missing share went (points of the bound, medians over runs; moe_bench.shortfall)",
+                  f"{'backend':<8} {'tokens':>7} {'missing':>8} {'own no-token':>13} {'worker busier':>14} "
+                  f"{'routing':>8} {'rest':>6}"]
+        for r in parted:
+            sf = r["shortfall"]
+            lines.append(f"{r['backend']:<8} {r['batch']:>7} {sf['missing']:8.0f} {sf['own_no_token']:13.0f} "
+                         f"{sf['busier']:14.0f} {sf['routing']:8.0f} {sf['rest']:6.0f}")
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: str, title: Optional[str] = None) -> None:
-    """Two panels against tokens per batch (log scale), one line per backend: the median
-    gain beside its bound, and the share of the bound with its range and the target."""
+    """Panels against tokens per batch (log scale), one line per backend: the median gain
+    beside its bound, and the share of the bound with its range and the target; and, where
+    the runs have it, where the missing share went (:func:`_plot_shortfall`)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    parted = [r for r in rows if r.get("shortfall")]
+    fig, axes = plt.subplots(1, 3 if parted else 2, figsize=(16.5 if parted else 11, 4.2))
+    ax1, ax2 = axes[:2]
     for i, backend in enumerate(sorted({r["backend"] for r in rows})):
         rs = sorted((r for r in rows if r["backend"] == backend), key=lambda r: r["batch"])
         x = [r["batch"] for r in rs]
@@ -100,8 +123,31 @@ def plot(rows: list[dict], path: str, title: Optional[str] = None) -> None:
         ax.set_xlabel("tokens per batch")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
+    if parted:
+        _plot_shortfall(axes[2], parted)
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_shortfall(ax, rows: list[dict]) -> None:
+    """Bars per (backend, batch size): the median points of the bound each part of
+    :func:`bench.moe_bench.shortfall` took, beside the points missing in all."""
+    labels = {"own_no_token": "chunked round's own no-token time", "busier": "busiest worker busier",
+              "routing": "routing", "rest": "rest (unattributed)"}
+    x = np.arange(len(rows))
+    width = 0.8 / (len(SHORTFALL_PARTS) + 1)
+    ax.bar(x - 0.4 + width / 2, [r["shortfall"]["missing"] for r in rows], width, color="grey",
+           label="missing in all")
+    for i, k in enumerate(SHORTFALL_PARTS):
+        ax.bar(x - 0.4 + (i + 1.5) * width, [r["shortfall"][k] for r in rows], width, color=f"C{i + 2}",
+               label=labels[k])
+    ax.axhline(0, color="black", lw=0.8)
+    ax.axhline(100 * (1 - TARGET), color="red", lw=1, ls=":", label=f"missing the target allows ({100 * (1 - TARGET):.0f})")
+    ax.set_xticks(x, [f"{r['backend']} {r['batch']}" for r in rows])
+    ax.set_ylabel("points of the bound (medians over runs)")
+    ax.set_title("where the missing share went")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)  # below: bars stay visible

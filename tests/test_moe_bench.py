@@ -46,6 +46,37 @@ def test_moe_bench_sets_chunked_rounds_beside_whole_parts(tmp_path):
     assert g["cpu_bound"] <= st["forward"] / st["gateway_cpu"] + 1e-9  # not above the gateway's own work
     assert st["gateway_cpu"] > 0 and st["compute_total"] > 0
     assert "chunked rounds" in p.stdout and "of the possible gain" in p.stdout
+    # where the missing share went: parts from the two systems' own medians, adding up
+    sf, cst = g["shortfall"], chunked["stage_ms"]
+    assert sf["missing"] == pytest.approx(100 * (1 - g["of_bound"]))
+    assert sf["own_no_token"] == pytest.approx(100 * cst["no_token"] / st["no_token"])
+    assert sf["busier"] == pytest.approx(100 * (cst["busiest"] - st["busiest"]) / st["no_token"])
+    assert sum(sf[k] for k in ("own_no_token", "busier", "routing", "rest")) == pytest.approx(sf["missing"])
+    assert "points of the bound missing" in p.stdout
+
+
+def test_the_shortfall_parts_are_the_chunked_rounds_costs_in_points_of_the_bound():
+    """A chunked forward S ms over the bound's F - I realizes about 1 - S / I of it: its own
+    no-token time, a busier worker and slower routing each cost 100 / I points a ms; what
+    the medians leave unattributed is the rest."""
+    from bench.moe_bench import gain_bounds, shortfall
+    whole = {"no_token": 10.0, "busiest": 130.0, "route": 3.0}
+    chunked = {"no_token": 2.0, "busiest": 131.0, "route": 3.5}
+    F = 143.0  # the whole forward: route + busiest + no-token
+    Fc = chunked["route"] + chunked["busiest"] + chunked["no_token"]  # 136.5: 3.5 ms over the bound's 133
+    share = gain_bounds(F, whole["no_token"], 1.0, 1.0, F / Fc)["of_bound"]
+    sf = shortfall(whole, chunked, share)
+    assert sf["own_no_token"] == pytest.approx(20.0) and sf["busier"] == pytest.approx(10.0)
+    assert sf["routing"] == pytest.approx(5.0)
+    assert sf["missing"] == pytest.approx(100 * (1 - share))
+    assert abs(sf["rest"]) < 3  # 1 - S / I is close, S being small against F
+    assert sum(sf[k] for k in ("own_no_token", "busier", "routing", "rest")) == pytest.approx(sf["missing"])
+    # a chunked round that took nothing more than the bound: nothing missing, nothing attributed
+    ideal = {"no_token": 0.0, "busiest": 130.0, "route": 3.0}
+    sf0 = shortfall(whole, ideal, gain_bounds(F, 10.0, 1.0, 1.0, F / 133.0)["of_bound"])
+    assert all(sf0[k] == pytest.approx(0.0, abs=1e-9) for k in sf0)
+    # no bound to share (a whole part with no no-token time): no figures, not a division by zero
+    assert all(v != v for v in shortfall({**whole, "no_token": 0.0}, chunked, float("nan")).values())
 
 
 def test_moe_bench_on_a_machine_with_no_secret_yet(tmp_path):
@@ -82,6 +113,11 @@ def test_kernel_bench_runs_bf16_chunked_rounds_beside_whole_parts(tmp_path):
     assert b["chunks_bound"] >= 1 and 0 <= b["no_token_ms"] and "of the possible gain" in p.stdout
     # and the gateway's own work, which no chunking takes off its thread
     assert b["gateway_cpu_ms"] > 0 and 1 <= b["chunks_cpu_bound"] <= b["chunks_bound"] + 1e-9
+    # and where the missing share went, from the chunked system's own clocks
+    sf = b["chunks_shortfall"]
+    assert sf["own_no_token"] == pytest.approx(100 * b["chunked_no_token_ms"] / b["no_token_ms"])
+    assert sum(sf[k] for k in ("own_no_token", "busier", "routing", "rest")) == pytest.approx(sf["missing"])
+    assert "points of the bound missing" in p.stdout
 
 
 def test_a_start_that_fails_leaves_no_worker_running(monkeypatch):
@@ -167,8 +203,11 @@ def test_the_warm_up_line_says_what_autos_choice_stands_on():
 
 def _run_doc(batch: int, share: float, bound: float, chunked_msgs: float, whole_msgs: float = 1.0) -> dict:
     gain = 1 + share * (bound - 1)
+    missing = 100 * (1 - share)
     g = {"of_bound": share, "bound": bound, "p50_gain": gain, "gain": gain, "p99_ratio": 0.95,
-         "no_token_ms": 8.0, "chunked_no_token_ms": 1.7, "round_ms": 140.0, "messages": chunked_msgs}
+         "no_token_ms": 8.0, "chunked_no_token_ms": 1.7, "round_ms": 140.0, "messages": chunked_msgs,
+         "shortfall": {"missing": missing, "own_no_token": 21.0, "busier": missing / 2, "routing": 1.0,
+                       "rest": missing / 2 - 22.0}}
     return {"meta": {"config": {"batch": batch}},
             "results": [{"system": "moe-transport", "backend": "shm", "stage_ms": {"messages": whole_msgs}},
                         {"system": "moe-transport+chunks", "backend": "shm", "stage_ms": {"messages": chunked_msgs}}],
@@ -193,6 +232,13 @@ def test_the_sweep_summary_gives_each_size_its_median_range_and_runs_that_met_th
     text = report(rows)
     assert "58% (27-74%)" in text and "81% (2-113%)" in text and "1 sent whole" in text
     assert " 0/3 " in text and " 2/3 " in text
+    # and where the missing share went: each part's median over the runs
+    assert small["shortfall"]["missing"] == pytest.approx(42.0) and small["shortfall"]["busier"] == pytest.approx(21.0)
+    assert small["shortfall"]["own_no_token"] == pytest.approx(21.0)
+    assert large["shortfall"]["missing"] == pytest.approx(100 * (1 - 0.81))
+    assert "where the missing share went" in text
+    parts = text.split("where the missing share went")[1].splitlines()
+    assert ["shm", "4096", "42", "21", "21", "1", "-1"] in [line.split() for line in parts]
 
 
 def test_moe_bench_sweeps_batch_sizes_into_one_summary_and_plot(tmp_path):
