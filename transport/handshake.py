@@ -496,3 +496,26 @@ def accept_socket(lsock: socket.socket, url: str) -> Optional[tuple[socket.socke
         raise AcceptFailed(f"{url}: accept failed: {e}", e.errno) from None
     sock.setblocking(False)
     return sock, addr
+
+
+def tune_stream(sock: socket.socket) -> None:
+    """A tcp or rdma control socket as both ends use it: TCP_NODELAY (a small message goes
+    at once, not after the previous one's ack) and non-blocking."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setblocking(False)
+
+
+def accept_stream(lsock: socket.socket, url: str, scheme: str) -> Optional[tuple[socket.socket, str]]:
+    """:func:`accept_socket` for a TCP listener: the connection tuned (:func:`tune_stream`)
+    and named ``scheme://host:port`` after its peer; None when nothing waits, or when it was
+    reset before we looked at it."""
+    got = accept_socket(lsock, url)
+    if got is None:
+        return None
+    sock, addr = got
+    try:
+        tune_stream(sock)
+    except OSError:
+        sock.close()
+        return None
+    return sock, f"{scheme}://{addr[0]}:{addr[1]}"

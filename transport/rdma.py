@@ -54,11 +54,6 @@ def _parse(address: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setblocking(False)
-
-
 def _phase1_fields(peer: dict) -> None:
     if not peer["nslots"] <= rh.MAX_NSLOTS:
         raise ProtocolError(f"handshake: nslots outside 1..{rh.MAX_NSLOTS}")
@@ -133,16 +128,10 @@ class RdmaListener(Listener):
         return self.sock.fileno()
 
     def accept_pending(self) -> Optional[hs.Pending]:
-        got = hs.accept_socket(self.sock, self.url)
+        got = hs.accept_stream(self.sock, self.url, "rdma")
         if got is None:
             return None
-        sock, addr = got
-        url = f"rdma://{addr[0]}:{addr[1]}"
-        try:
-            _tune(sock)
-        except OSError:
-            sock.close()
-            return None
+        sock, url = got
         return hs.Pending(_handshake(sock, "server", url, self._opts, self.limits, self.secret), sock, url)
 
     def close(self) -> None:
@@ -173,7 +162,7 @@ def connect(address: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = D
     except OSError as exc:
         raise ConnectionClosed(f"cannot connect to rdma://{address}: {exc}") from None
     try:
-        _tune(sock)
+        hs.tune_stream(sock)
         opts = _conn_options(slot_size, nslots, timeout, device, gid_index, ib_port, small_size, spin, native)
         return hs.run(_handshake(sock, "client", f"rdma://{address}", opts, limits, secret),
                       sock.fileno(), deadline, "in the rdma handshake")

@@ -28,11 +28,6 @@ def _parse(address: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setblocking(False)
-
-
 def _handshake(sock: socket.socket, role: str, url: str, slot_size: int, nslots: int, timeout: float,
                limits: hs.Limits, secret: Optional[bytes]) -> hs.HandshakeGen:
     ex = hs.HelloExchange(role, "tcp", {"slot_size": slot_size, "nslots": nslots},
@@ -64,16 +59,10 @@ class TcpListener(Listener):
         return self.sock.fileno()
 
     def accept_pending(self) -> Optional[hs.Pending]:
-        got = hs.accept_socket(self.sock, self.url)
+        got = hs.accept_stream(self.sock, self.url, "tcp")
         if got is None:
             return None
-        sock, addr = got
-        url = f"tcp://{addr[0]}:{addr[1]}"
-        try:
-            _tune(sock)
-        except OSError:
-            sock.close()
-            return None  # reset before we looked at it
+        sock, url = got
         gen = _handshake(sock, "server", url, self.slot_size, self.nslots, self.timeout, self.limits,
                          self.secret)
         return hs.Pending(gen, sock, url)
@@ -103,7 +92,7 @@ def connect(address: str, *, slot_size: int = DEFAULT_SLOT_SIZE, nslots: int = D
     except OSError as e:
         raise ConnectionClosed(f"cannot connect to tcp://{address}: {e}") from None
     try:
-        _tune(sock)
+        hs.tune_stream(sock)
         return hs.run(_handshake(sock, "client", f"tcp://{address}", slot_size, nslots, timeout, limits,
                                  secret), sock.fileno(), deadline)
     except BaseException:
