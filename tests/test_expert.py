@@ -202,3 +202,19 @@ def test_validation_errors(x):
         SwiGLUExpert(e.w_gate, e.w_up, e.w_gate)
     with pytest.raises(ValueError, match="floating"):
         SwiGLUExpert.from_seed(0, D, F, dtype=np.int32)
+
+
+def test_silu_times_up_in_place_has_the_right_limits():
+    """The numpy kernels' activation, shared by the demo expert and the checkpoint kernel:
+    silu(g) * u with no temporary; very negative g gives 0 (exp(-g) overflows to inf), very
+    positive g gives g * u, and no warning or nan on the way."""
+    from workers.expert import silu_mul_
+    g = np.array([-1e4, -50.0, -1.0, 0.0, 1.0, 50.0, 1e4], dtype=np.float32)
+    u = np.array([3.0, 3.0, 2.0, 5.0, 2.0, 3.0, 3.0], dtype=np.float32)
+    want = (g.astype(np.float64) / (1 + np.exp(-np.clip(g.astype(np.float64), -700, 700)))) * u
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = silu_mul_(g.copy(), u)
+    assert got is u and np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30)
+    assert got[0] == 0.0 and got[-1] == pytest.approx(3e4)

@@ -28,6 +28,18 @@ def _as_dtype(dtype: object) -> np.dtype:
     return dt
 
 
+def silu_mul_(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """``u = silu(g) * u`` in place (``g`` is overwritten): g * u / (1 + exp(-g)), with no
+    temporary the size of a block. exp(-g) overflows to inf for very negative g, giving the
+    right limit 0."""
+    np.multiply(u, g, out=u)
+    np.negative(g, out=g)
+    with np.errstate(over="ignore"):
+        np.exp(g, out=g)
+    g += 1
+    np.divide(u, g, out=u)
+    return u
+
 class SwiGLUExpert:
     """y = (silu(x @ w_gate) * (x @ w_up)) @ w_down.
 
@@ -181,14 +193,7 @@ class SwiGLUExpert:
         u = self._h_up[:n]
         np.matmul(x, self.w_gate, out=g)
         np.matmul(x, self.w_up, out=u)
-        # silu(g) * u == g * u / (1 + exp(-g)), computed in place in g and u.
-        # exp(-g) overflows to inf for very negative g, giving the right limit 0.
-        np.multiply(u, g, out=u)
-        np.negative(g, out=g)
-        with np.errstate(over="ignore"):
-            np.exp(g, out=g)
-        g += 1
-        np.divide(u, g, out=u)
+        silu_mul_(g, u)
         np.matmul(u, self.w_down, out=out)
         return out
 

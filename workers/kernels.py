@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from workers import bf16
+from workers.expert import silu_mul_
 
 __all__ = ["Kernel", "NumpySwiGLU", "TorchSwiGLU", "make_kernel", "KINDS", "cpu_bf16_matmul",
            "torch_compute_dtype", "Scratch"]
@@ -190,13 +191,7 @@ class NumpySwiGLU:
         I = self.d_ff
         np.matmul(x, self._wgu.T, out=h)
         g, u = h[:, :I], h[:, I:]
-        # silu(g) * u == g * u / (1 + exp(-g)), in place; exp(-g) -> inf gives the right 0.
-        np.multiply(u, g, out=u)
-        np.negative(g, out=g)
-        with np.errstate(over="ignore"):
-            np.exp(g, out=g)
-        g += 1
-        np.divide(u, g, out=u)
+        silu_mul_(g, u)
         if out.dtype == self.dtype:
             np.matmul(u, self._wd.T, out=out)  # u: rows 2*d_ff apart, still one BLAS call
         else:
