@@ -163,6 +163,7 @@ def test_warm_up_goes_on_while_auto_still_measures_both_ways():
     fixed, and a system with no auto choice (or not asked any more) gets no more."""
     import argparse
     from bench.moe_bench import WARMUP_EXTEND, warm_up, warmup_forwards
+    from gateway.chunking import REPROBE_EVERY
     auto, fixed = argparse.Namespace(warmup_forwards=None), argparse.Namespace(warmup_forwards=3)
     n = warmup_forwards(auto)
     s = _Probing(n + 5)
@@ -173,8 +174,17 @@ def test_warm_up_goes_on_while_auto_still_measures_both_ways():
     assert warm_up(s, s.forward, fixed) == 3 == len(s.ran)
     s = _Probing(n + 5, asked=0)  # the size model never wanted chunks: nothing to wait for
     assert warm_up(s, s.forward, auto) == n == len(s.ran)
-    s = _Probing(10 ** 6, asked=n + 3)  # it stopped wanting them: waiting would not settle it
-    assert warm_up(s, s.forward, auto) == n + 4 == len(s.ran)
+    # it stopped wanting them: waiting would not settle it, once the size model's re-probe
+    # (one priced-out round in REPROBE_EVERY goes in chunks again) has had its turn
+    s = _Probing(10 ** 6, asked=n + 3)
+    assert warm_up(s, s.forward, auto) == n + 3 + REPROBE_EVERY == len(s.ran)
+
+    class _Reprobing(_Probing):  # asked about every REPROBE_EVERY-th forward only
+        def chunk_choice(self):
+            return {"asked": len(self.ran) // REPROBE_EVERY, "settled": len(self.ran) >= self.unsettled}
+
+    s = _Reprobing(n + 3 * REPROBE_EVERY)  # settles after a few re-probes: warmed up until then
+    assert warm_up(s, s.forward, auto) == n + 3 * REPROBE_EVERY == len(s.ran)
     ran = []
     assert warm_up(object(), ran.append, auto) == n == len(ran)
 
