@@ -323,7 +323,7 @@ def warm_up(system: Any, forward: Callable[[int], Any], args: argparse.Namespace
         # whole, and more forwards would not settle anything. Not after one: a size model
         # that priced chunks out sends one round in REPROBE_EVERY in chunks again, and a
         # warm-up that stopped at the first whole round left auto probing in the timed
-        # forwards (a run at 8192 tokens timed 5 probes: -8% of the bound)
+        # forwards (a run at 8192 tokens then came out at -8% of the bound)
         quiet = quiet + 1 if snap["asked"] == asked else 0
         if quiet >= REPROBE_EVERY:
             return n + extra
