@@ -314,8 +314,12 @@ class GatewayServer:
         if buf is None:
             return
         client.reply = buf
-        req.out = np.frombuffer(buffer_view(buf), dtype=self.pool.dtype,
-                                count=req.num_tokens * self.pool.d_model).reshape(req.num_tokens, self.pool.d_model)
+        req.out = self._rows_in(buffer_view(buf), req.num_tokens)
+
+    def _rows_in(self, view: memoryview, rows: int) -> np.ndarray:
+        """A reply buffer seen as the (rows, d_model) output array it carries."""
+        pool = self.pool
+        return np.frombuffer(view, dtype=pool.dtype, count=rows * pool.d_model).reshape(rows, pool.d_model)
 
     def _finish(self, req: Request) -> None:
         client: _Client = req.tag
@@ -348,8 +352,7 @@ class GatewayServer:
             if req is not None:
                 # the buffer taken at dispatch is req.out itself (the same array, so a sum made
                 # in it is not copied onto itself); else the slot taken now
-                out = req.out if view is None else \
-                    np.frombuffer(view, dtype=pool.dtype, count=rows * pool.d_model).reshape(shape)
+                out = req.out if view is None else self._rows_in(view, rows)
                 req.combine(out)  # straight into the reply slot
                 st = req.round.stats
                 fields = {"round": req.round.id, "round_requests": st.requests, "timing": {
