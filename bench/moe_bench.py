@@ -11,6 +11,8 @@ Systems, same weights and router, same batches, interleaved round by round:
   with each worker's part sent whole (one message) and, as moe-transport+chunks, in chunks
   (pipelined rounds, gateway/chunking.py): per round, the busiest worker's time with no
   token to compute bounds what chunking can gain, and the report sets the gain beside it.
+  The two run on the same worker processes and pool, their forwards in turn one by one:
+  the gain is then the chunks' alone, not one set of processes' or one slow spell's.
 
 ``--batch`` repeated (with ``--repeat N``) runs each size in turn, each run on fresh
 processes, and ends with the chunked rounds' figures by size (bench/moe_sweep.py).
@@ -110,6 +112,11 @@ class ReferenceChild:
 
 # -- moe-transport: real worker processes ---------------------------------------------
 class TransportSystem:
+    """Real worker processes behind a WorkerPool, each worker's part of a round cut as
+    ``chunk_rows`` says. :meth:`same_workers` makes a second system on the same processes
+    and pool that cuts parts another way: the two then differ in nothing else (two sets of
+    processes differ in where their memory landed, and in what else ran beside each)."""
+
     def __init__(self, backend: str, router, n_workers: int, d_model: int, d_ff: int, seed: int, batch: int,
                  dtype: str = "float32", extra: tuple = (), chunk_rows="auto"):
         from gateway.pool import WorkerPool
@@ -119,6 +126,7 @@ class TransportSystem:
         n_exp = router.n_experts
         self.procs: list = []
         self.pool = None
+        self.owner = True  # closes the pool and stops the workers
         self.chunk_rows = chunk_rows
         self.stages: list[dict] = []
         # one secret for the pool and its workers, found or made as the services do: looking
@@ -149,11 +157,20 @@ class TransportSystem:
             self._stop_workers()
             raise
 
+    def same_workers(self, chunk_rows) -> "TransportSystem":
+        """A system on these worker processes and this pool whose forwards cut parts as
+        ``chunk_rows`` says; closing it leaves them to this one."""
+        other = object.__new__(TransportSystem)
+        other.procs, other.pool, other.owner = self.procs, self.pool, False
+        other.chunk_rows, other.stages = chunk_rows, []
+        return other
+
     def chunk_choice(self) -> Optional[dict]:
         """Auto's whole-or-chunked choice as it stands (None without auto)."""
         return self.pool.chunk_choice() if self.pool is not None and self.chunk_rows == "auto" else None
 
     def forward(self, x: np.ndarray) -> np.ndarray:
+        self.pool.chunk_rows = self.chunk_rows  # a system sharing the pool may have set another
         t0, c0 = time.perf_counter(), time.process_time()
         y, st = self.pool.forward(x)
         self.stages.append({**st.as_dict(), "forward_s": time.perf_counter() - t0,
@@ -161,6 +178,8 @@ class TransportSystem:
         return y
 
     def close(self) -> None:
+        if not self.owner:
+            return
         if self.pool is not None:
             self.pool.close()
         self._stop_workers()
@@ -395,12 +414,13 @@ def measure(args: argparse.Namespace, dims: dict) -> dict:
         systems["multiprocessing"] = Multiprocessing(ref.router, args.local_workers, dff, args.seed, batch * args.top_k)
     from gateway.chunking import parse_chunk_rows
     chunk_rows = parse_chunk_rows(args.chunk_rows)
+    twin: dict[str, str] = {}  # whole parts' system -> the chunked one on its workers, timed in turn
     for b in backends:
-        systems[f"moe-transport/{b}"] = TransportSystem(b, ref.router, args.local_workers, d, dff, args.seed, batch,
-                                                        chunk_rows=0)
+        whole = systems[f"moe-transport/{b}"] = TransportSystem(b, ref.router, args.local_workers, d, dff,
+                                                                args.seed, batch, chunk_rows=0)
         if chunk_rows != 0:
-            systems[f"moe-transport+chunks/{b}"] = TransportSystem(b, ref.router, args.local_workers, d, dff,
-                                                                   args.seed, batch, chunk_rows=chunk_rows)
+            systems[f"moe-transport+chunks/{b}"] = whole.same_workers(chunk_rows)
+            twin[f"moe-transport/{b}"] = f"moe-transport+chunks/{b}"
     lat: dict[str, list[float]] = {"reference-1t": [], "reference-2t": [], **{k: [] for k in systems}}
     try:
         with threadpool_limits(1):
@@ -432,11 +452,17 @@ def measure(args: argparse.Namespace, dims: dict) -> dict:
                     if name.endswith("2t"):
                         time.sleep(0.5)
                     continue
+                if name in twin.values():
+                    continue  # timed beside its twin
+                # a twin pair forward by forward: blocks of each in turn gave one of them the
+                # machine's slow spells of a few forwards (one system timed as two, in blocks
+                # of 4: its busiest worker up to 2.6 ms a forward apart; in turn, 0.2 ms)
                 for x in xs:
-                    t0 = time.perf_counter()
-                    with threadpool_limits(1):
-                        systems[name].forward(x)
-                    lat[name].append(time.perf_counter() - t0)
+                    for one in (name, twin[name]) if name in twin else (name,):
+                        t0 = time.perf_counter()
+                        with threadpool_limits(1):
+                            systems[one].forward(x)
+                        lat[one].append(time.perf_counter() - t0)
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{n} {batch * args.batches / sum(v[-args.batches:]):.0f} tok/s" for n, v in lat.items()), flush=True)
         stage_ms = {}
@@ -458,7 +484,9 @@ def measure(args: argparse.Namespace, dims: dict) -> dict:
         system, _, backend = name.partition("/")
         results.append({"system": system, "backend": backend or ("inproc" if system.startswith("reference") else "pipe"),
                         "tokens_per_s": batch * len(v) / sum(v), "p50_ms": p50, "p99_ms": p99,
-                        "stage_ms": stage_ms.get(name, {})})
+                        "stage_ms": stage_ms.get(name, {}),
+                        # which processes served it: a twin's are its whole-part system's
+                        "worker_pids": [p.pid for p in getattr(systems.get(name), "procs", [])]})
     by = {(r["system"], r["backend"]): r for r in results}
     ceiling = 2 * by[("reference-1t", "inproc")]["tokens_per_s"]
     mpr = by[("multiprocessing", "pipe")]["tokens_per_s"]

@@ -231,9 +231,8 @@ def run(args: argparse.Namespace) -> int:
     systems[name_ours] = TransportSystem("shm", router, W, d, dff, seed, max(sizes), dtype=wire,
                                          extra=("--compute", compute), chunk_rows=0)
     chunk_rows = getattr(args, "chunk_rows", "auto")
-    if chunk_rows != "off":  # the same kernel and wire, its parts in chunks (pipelined rounds)
-        systems[name_ours + "+chunks"] = TransportSystem("shm", router, W, d, dff, seed, max(sizes), dtype=wire,
-                                                         extra=("--compute", compute), chunk_rows=chunk_rows)
+    if chunk_rows != "off":  # the same workers, kernel and wire, its parts in chunks (pipelined rounds)
+        systems[name_ours + "+chunks"] = systems[name_ours].same_workers(chunk_rows)
     direct = _kernels(range(E), d, dff, seed, compute, wire, max_rows, 1)  # this process: one thread
     results: dict = {}
     try:
@@ -298,27 +297,32 @@ def _measure(B, args, router, owner, systems, layers, direct, name_np, name_ours
     mp0 = (list(mp_peer.rows), list(mp_peer.kernel_s))
     stages: list = []
     chunked_stages: list = []  # the chunked system's, for where its share of the bound went
+    twin = name_ours + "+chunks"
     for r in range(args.rounds):
-        for name, sys_ in systems.items():
-            pool = sys_.pool if name == name_ours else None
-            before = _counters(pool) if pool is not None else None
-            for x in inputs[name]:
-                t0 = time.perf_counter()
-                with threadpool_limits(1):
-                    sys_.forward(x)
-                dt = time.perf_counter() - t0
-                lat[name].append(dt)
-                if pool is not None:
-                    st = sys_.stages[-1]
-                    stages.append({**st, "round_s": dt})
-                elif name == name_ours + "+chunks":
-                    chunked_stages.append(sys_.stages[-1])
-            if pool is not None:
-                after = _counters(pool)
-                for w in range(W):
-                    per_worker["rows"][w] += _rows(after[w]) - _rows(before[w])
-                    per_worker["serve_s"][w] += after[w]["serve_seconds"] - before[w]["serve_seconds"]
-                    per_worker["compute_s"][w] += _compute_s(after[w]) - _compute_s(before[w])
+        for name in systems:
+            if name == twin:
+                continue  # timed beside whole parts, forward by forward (as moe-bench moe does)
+            arms = (name, twin) if name == name_ours and twin in systems else (name,)
+            for i in range(len(inputs[name])):
+                for one in arms:
+                    sys_ = systems[one]
+                    # the worker counters of whole parts' forwards alone (the twin shares the workers)
+                    pool = sys_.pool if one == name_ours else None
+                    before = _counters(pool) if pool is not None else None
+                    t0 = time.perf_counter()
+                    with threadpool_limits(1):
+                        sys_.forward(inputs[one][i])
+                    dt = time.perf_counter() - t0
+                    lat[one].append(dt)
+                    if pool is not None:
+                        stages.append({**sys_.stages[-1], "round_s": dt})
+                        after = _counters(pool)
+                        for w in range(W):
+                            per_worker["rows"][w] += _rows(after[w]) - _rows(before[w])
+                            per_worker["serve_s"][w] += after[w]["serve_seconds"] - before[w]["serve_seconds"]
+                            per_worker["compute_s"][w] += _compute_s(after[w]) - _compute_s(before[w])
+                    elif one == twin:
+                        chunked_stages.append(sys_.stages[-1])
         for t in (1, 2):  # the in-process layers last, then a pause: spinning threads steal a core
             lat[f"torch-layer-{t}t"].extend(layers[t].run(inputs[name_ours] if wire != "float32" else xs32))
         time.sleep(0.3)

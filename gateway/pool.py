@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from gateway.chunking import ChunkSetting
+from gateway.chunking import ChunkSetting, parse_chunk_rows
 from gateway.rollout import ACK_TIMEOUT, Rollout
 from gateway.rounds import BatchStats, Request, RoundBook, WorkerError, n_ids, slots_per_token
 from gateway.router import Router
@@ -166,6 +166,16 @@ class WorkerPool:
 
     def stats(self) -> list[dict]:
         return [w.as_dict() for w in self.workers]
+
+    @property
+    def chunk_rows(self) -> ChunkSetting:
+        """How each worker's part of a round is cut into messages ("auto", 0 or rows per
+        message); settable between forwards (a benchmark times both ways on the same workers)."""
+        return self.rounds.chunk_rows
+
+    @chunk_rows.setter
+    def chunk_rows(self, value: ChunkSetting) -> None:
+        self.rounds.chunk_rows = parse_chunk_rows(value)
 
     def chunk_choice(self) -> dict:
         """What auto's whole-or-chunked choice stands on (ChunkMode.snapshot): rounds asked

@@ -269,7 +269,7 @@ class GatewayServer:
                            "max_wait_ms": self.batcher.max_wait * 1000,
                            "max_inflight_rounds": self.batcher.max_inflight_rounds,
                            "batching": self.batcher.policy, "balancing": pool.rounds.balancing,
-                           "chunk_rows": pool.rounds.chunk_rows,
+                           "chunk_rows": pool.chunk_rows,
                            # auto: what rounds alone in flight cost per row, whole and chunked
                            "chunk_costs": pool.chunk_choice(),
                            "replicas": pool.replication(),

@@ -31,6 +31,8 @@ def test_moe_bench_sets_chunked_rounds_beside_whole_parts(tmp_path):
     assert whole["stage_ms"]["messages"] == 2  # one message per worker
     # 64 tokens x top-2 = 128 rows over 2 workers, in messages of at most 16 rows
     assert chunked["stage_ms"]["messages"] >= 128 / 16
+    # both ways on the same two worker processes: the gain is the chunks', not the processes'
+    assert len(whole["worker_pids"]) == 2 and chunked["worker_pids"] == whole["worker_pids"]
     # the no-token time is the forward's, routing aside: within the forward, past the round's
     # clock (which stops at the last reply, before a whole part's combine)
     st = whole["stage_ms"]
@@ -141,6 +143,39 @@ def test_a_start_that_fails_leaves_no_worker_running(monkeypatch):
         TransportSystem.__init__(system, "tcp", ReferenceMoE.from_seed(16, 32, 4, 2, seed=0).router, 2, 16, 32, 0, 8)
     assert len(started) == 2
     assert all(p.poll() is not None for p in started)
+
+
+def test_chunked_twin_runs_on_the_same_workers_and_cuts_only_its_own_forwards():
+    """``same_workers``: the chunked system the bench sets beside whole parts is the same
+    worker processes and pool; each forward cuts parts its own system's way, whatever the
+    other set last; closing the twin leaves the workers to their owner."""
+    import numpy as np
+
+    from bench.moe_bench import TransportSystem
+    from gateway.reference import ReferenceMoE
+
+    ref = ReferenceMoE.from_seed(16, 32, 4, 2, seed=0)
+    whole = TransportSystem("tcp", ref.router, 2, 16, 32, 0, 24, chunk_rows=0)
+    try:
+        twin = whole.same_workers(4)
+        assert twin.pool is whole.pool and twin.procs is whole.procs
+        x = np.random.default_rng(1).standard_normal((24, 16)).astype(np.float32)
+        want = ref.forward(x)[0]
+        for sys_, rows in ((whole, 0), (twin, 4), (whole, 0), (twin, 4)):
+            np.testing.assert_allclose(sys_.forward(x), want, rtol=1e-4, atol=1e-5)
+            assert whole.pool.chunk_rows == rows
+        # 24 tokens x top-2 over two workers: one message each whole, at most 4 rows a chunk
+        assert [s["messages"] for s in whole.stages] == [2, 2]
+        assert all(s["messages"] >= 48 / 4 for s in twin.stages)
+        with pytest.raises(ValueError):
+            whole.pool.chunk_rows = -1
+        assert whole.pool.chunk_rows == 4  # a refused setting leaves the last one
+        twin.close()
+        assert all(p.poll() is None for p in whole.procs)
+        np.testing.assert_allclose(whole.forward(x), want, rtol=1e-4, atol=1e-5)
+    finally:
+        whole.close()
+    assert all(p.poll() is not None for p in whole.procs)
 
 
 class _Probing:
