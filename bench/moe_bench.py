@@ -456,7 +456,7 @@ def measure(args: argparse.Namespace, dims: dict) -> dict:
                     continue  # timed beside its twin
                 # a twin pair forward by forward: blocks of each in turn gave one of them the
                 # machine's slow spells of a few forwards (one system timed as two, in blocks
-                # of 4: its busiest worker up to 2.6 ms a forward apart; in turn, 0.2 ms)
+                # of 4: its busiest worker up to 2.6 ms a forward apart; in turn, 0.3 ms)
                 for x in xs:
                     for one in (name, twin[name]) if name in twin else (name,):
                         t0 = time.perf_counter()
