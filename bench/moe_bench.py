@@ -60,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-rows", default="auto", type=chunk_rows_flag, metavar="auto|off|ROWS",
                    help="moe-transport+chunks: at most this many rows per message (default auto, as moe-gateway); "
                         "off leaves only the whole-part system")
+    p.add_argument("--control", action="store_true",
+                   help="also time whole parts against themselves (moe-transport+control: the whole-part "
+                        "system's twin, parts whole too): the share of the bound that timing alone gives, "
+                        "the noise under the chunked figure")
     p.add_argument("--warmup-forwards", type=int, default=None, metavar="N",
                    help="untimed forwards per system before the timed rounds (default: as many as auto's "
                         "chunk choice takes to measure both ways, gateway/chunking.py)")
@@ -414,13 +418,16 @@ def measure(args: argparse.Namespace, dims: dict) -> dict:
         systems["multiprocessing"] = Multiprocessing(ref.router, args.local_workers, dff, args.seed, batch * args.top_k)
     from gateway.chunking import parse_chunk_rows
     chunk_rows = parse_chunk_rows(args.chunk_rows)
-    twin: dict[str, str] = {}  # whole parts' system -> the chunked one on its workers, timed in turn
+    twins: dict[str, list[str]] = {}  # whole parts' system -> those on its workers, timed in turn with it
     for b in backends:
         whole = systems[f"moe-transport/{b}"] = TransportSystem(b, ref.router, args.local_workers, d, dff,
                                                                 args.seed, batch, chunk_rows=0)
-        if chunk_rows != 0:
-            systems[f"moe-transport+chunks/{b}"] = whole.same_workers(chunk_rows)
-            twin[f"moe-transport/{b}"] = f"moe-transport+chunks/{b}"
+        others = [("chunks", chunk_rows)] if chunk_rows != 0 else []
+        others += [("control", 0)] if getattr(args, "control", False) else []
+        for kind, rows_ in others:
+            systems[f"moe-transport+{kind}/{b}"] = whole.same_workers(rows_)
+            twins.setdefault(f"moe-transport/{b}", []).append(f"moe-transport+{kind}/{b}")
+    timed_beside = {n for ns in twins.values() for n in ns}
     lat: dict[str, list[float]] = {"reference-1t": [], "reference-2t": [], **{k: [] for k in systems}}
     try:
         with threadpool_limits(1):
@@ -452,13 +459,13 @@ def measure(args: argparse.Namespace, dims: dict) -> dict:
                     if name.endswith("2t"):
                         time.sleep(0.5)
                     continue
-                if name in twin.values():
+                if name in timed_beside:
                     continue  # timed beside its twin
                 # a twin pair forward by forward: blocks of each in turn gave one of them the
                 # machine's slow spells of a few forwards (one system timed as two, in blocks
                 # of 4: its busiest worker up to 2.6 ms a forward apart; in turn, 0.3 ms)
                 for x in xs:
-                    for one in (name, twin[name]) if name in twin else (name,):
+                    for one in (name, *twins.get(name, ())):
                         t0 = time.perf_counter()
                         with threadpool_limits(1):
                             systems[one].forward(x)
@@ -521,6 +528,12 @@ def measure(args: argparse.Namespace, dims: dict) -> dict:
                   f"cores), {100 * g['of_cpu_bound']:.0f}% of that")
             if shortfall_line(g["shortfall"]):
                 print(f"{b} chunked rounds: {shortfall_line(g['shortfall'])}")
+        control = by.get(("moe-transport+control", b))
+        if control is not None:
+            c = pipelining_gain(r, control)
+            ratios[b]["control"] = {k: c[k] for k in ("of_bound", "p50_gain", "gain", "bound")}
+            print(f"{b} control (whole parts against themselves, in turn): {c['p50_gain']:.3f}x by the median "
+                  f"forwards, {100 * c['of_bound']:+.0f}% of the bound: the chunked share's noise")
     return {"meta": {"config": dims | {"n_experts": args.n_experts, "top_k": args.top_k,
                                        "local_workers": args.local_workers, "rounds": args.rounds}},
             "results": results, "ceiling_tokens_per_s": ceiling, "ratios": ratios}

@@ -26,6 +26,7 @@ def summarize(docs: list[dict]) -> list[dict]:
     ``sent_whole``: runs whose chunked system sent as many messages as the whole one (auto
     chose whole parts; its share is then noise around 0)."""
     by: dict[tuple[str, int], list[tuple[dict, dict]]] = {}
+    control: dict[tuple[str, int], list[float]] = {}  # --control: whole parts against themselves
     for doc in docs:
         batch = int(doc["meta"]["config"]["batch"])
         whole_msgs = {r["backend"]: r["stage_ms"].get("messages") for r in doc["results"]
@@ -33,6 +34,8 @@ def summarize(docs: list[dict]) -> list[dict]:
         for backend, r in doc["ratios"].items():
             if "chunks" in r:
                 by.setdefault((backend, batch), []).append((r["chunks"], whole_msgs))
+            if "control" in r:
+                control.setdefault((backend, batch), []).append(r["control"]["of_bound"])
     rows = []
     for (backend, batch), runs in sorted(by.items()):
         def col(key: str) -> np.ndarray:
@@ -52,6 +55,10 @@ def summarize(docs: list[dict]) -> list[dict]:
             "sent_whole": sum(1 for g, w in runs if g["messages"] <= (w.get(backend) or 0)),
             "shortfall": _median_shortfall([g.get("shortfall") for g, _ in runs]),
         })
+        c = control.get((backend, batch))
+        if c:
+            rows[-1]["control"] = {"of_bound": float(np.nanmedian(c)), "min": float(np.nanmin(c)),
+                                   "max": float(np.nanmax(c))}
     return rows
 
 
@@ -75,6 +82,12 @@ def report(rows: list[dict]) -> str:
         lines.append(f"{r['backend']:<8} {r['batch']:>7} {r['runs']:>4} {share:>24} {r['met']:>2}/{r['runs']:<2} "
                      f"{r['bound']:5.3f}x {r['p50_gain']:7.3f}x {r['gain']:6.3f}x (>={r['gain_min']:.3f}) "
                      f"{r['p99_ratio']:5.2f}x {r['no_token_ms']:12.2f} / {r['chunked_no_token_ms']:.2f}{whole}")
+    controlled = [r for r in rows if r.get("control")]
+    if controlled:
+        lines += ["", "control: whole parts against themselves, in turn (share of the bound, median and range: "
+                      "the chunked share's noise)"]
+        lines += [f"{r['backend']:<8} {r['batch']:>7} {100 * r['control']['of_bound']:+.0f}% "
+                  f"({100 * r['control']['min']:+.0f} to {100 * r['control']['max']:+.0f}%)" for r in controlled]
     parted = [r for r in rows if r.get("shortfall")]
     if parted:
         lines += ["", "where the missing share went (points of the bound, medians over runs; moe_bench.shortfall)",

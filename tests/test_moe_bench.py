@@ -284,6 +284,21 @@ def test_the_sweep_summary_gives_each_size_its_median_range_and_runs_that_met_th
     assert "where the missing share went" in text
     parts = text.split("where the missing share went")[1].splitlines()
     assert ["shm", "4096", "42", "21", "21", "1", "-1"] in [line.split() for line in parts]
+    assert "control" not in small and "control:" not in text  # no run had --control
+
+
+def test_the_sweep_summary_sets_the_control_beside_the_chunked_share():
+    """--control runs: the share whole parts get against themselves, median and range by size,
+    from the runs that have it."""
+    from bench.moe_sweep import report, summarize
+    docs = [_run_doc(4096, s, 1.06, 4) for s in (0.58, 0.74, 0.27)]
+    for doc, c in zip(docs, (0.04, -0.09, None)):
+        if c is not None:
+            doc["ratios"]["shm"]["control"] = {"of_bound": c, "p50_gain": 1 + c * 0.06, "gain": 1.0, "bound": 1.06}
+    (row,) = summarize(docs)
+    assert row["control"]["of_bound"] == pytest.approx(-0.025)
+    assert (row["control"]["min"], row["control"]["max"]) == pytest.approx((-0.09, 0.04))
+    assert ["shm", "4096", "-2%", "(-9", "to", "+4%)"] in [line.split() for line in report([row]).splitlines()]
 
 
 def test_moe_bench_sweeps_batch_sizes_into_one_summary_and_plot(tmp_path):
@@ -292,7 +307,7 @@ def test_moe_bench_sweeps_batch_sizes_into_one_summary_and_plot(tmp_path):
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     cmd = [sys.executable, "-m", "bench.cli", "moe", "--quick", "--rounds", "1", "--batches", "2", "--backend", "shm",
            "--d-model", "32", "--d-ff", "64", "--batch", "32", "--batch", "64", "--repeat", "2",
-           "--local-workers", "1", "--chunk-rows", "16", "--warmup-forwards", "1",
+           "--local-workers", "1", "--chunk-rows", "16", "--warmup-forwards", "1", "--control",
            "--json", str(out), "--plot", str(png)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
@@ -305,6 +320,20 @@ def test_moe_bench_sweeps_batch_sizes_into_one_summary_and_plot(tmp_path):
         shares = sorted(d["ratios"]["shm"]["chunks"]["of_bound"] for d in data["runs"]
                         if d["meta"]["config"]["batch"] == batch)
         assert (r["of_bound_min"], r["of_bound_max"]) == pytest.approx(tuple(shares))
+    # --control: whole parts against themselves on the same workers, their share per run and by size
+    for d in data["runs"]:
+        by = {r["system"]: r for r in d["results"] if r["backend"] == "shm"}
+        whole, control = by["moe-transport"], by["moe-transport+control"]
+        assert control["worker_pids"] == whole["worker_pids"] and len(whole["worker_pids"]) == 1
+        assert control["stage_ms"]["messages"] == whole["stage_ms"]["messages"] == 1  # whole parts, both
+        c = d["ratios"]["shm"]["control"]
+        assert c["p50_gain"] == pytest.approx(whole["p50_ms"] / control["p50_ms"])
+        assert c["of_bound"] == pytest.approx((c["p50_gain"] - 1) / (c["bound"] - 1))
+    for (_, batch), r in rows.items():
+        shares = sorted(d["ratios"]["shm"]["control"]["of_bound"] for d in data["runs"]
+                        if d["meta"]["config"]["batch"] == batch)
+        assert (r["control"]["min"], r["control"]["max"]) == pytest.approx(tuple(shares))
+    assert "control: whole parts against themselves" in p.stdout
     assert "== run 4/4: 64-token batches ==" in p.stdout and "chunked rounds by batch size" in p.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
