@@ -20,6 +20,7 @@ processes, and ends with the chunked rounds' figures by size (bench/moe_sweep.py
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -164,9 +165,8 @@ class TransportSystem:
     def same_workers(self, chunk_rows) -> "TransportSystem":
         """A system on these worker processes and this pool whose forwards cut parts as
         ``chunk_rows`` says; closing it leaves them to this one."""
-        other = object.__new__(TransportSystem)
-        other.procs, other.pool, other.owner = self.procs, self.pool, False
-        other.chunk_rows, other.stages = chunk_rows, []
+        other = copy.copy(self)  # the processes and the pool are the same objects
+        other.owner, other.chunk_rows, other.stages = False, chunk_rows, []
         return other
 
     def chunk_choice(self) -> Optional[dict]:
