@@ -49,6 +49,7 @@ COLD_FAULTS = 256
 MAX_CHUNKS = 64  # auto's smallest size tried cuts a part in at most this many
 EDGE = 8  # a part's first and last chunks are at most 1/EDGE of the size, ramping up (see split_part)
 MIN_PIECE = 128  # rows below which cutting a group for a ramp's chunk costs more than it hides
+OUT_ROWS = 512  # replies from this many rows measure the way back per row (ChunkCosts.out)
 
 ChunkSetting = Union[str, int]  # "auto", or a fixed size in rows (0: never chunk)
 
@@ -174,6 +175,14 @@ class ChunkCosts:
     # first rounds for a hundred rounds. A stall only ever lengthens a round: the least
     # of them is the estimate (idle_s)
     idle: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    # seconds a row from a chunk's reply leaving the worker (its clock: only a worker on this
+    # machine) to its rows summed here: the way back alone, for chunks of OUT_ROWS rows or
+    # more (the last SAMPLES). Over tcp here 2.7-3.6 us a row, against 2.1 each way from a
+    # round sent whole (the gateway reads and sums while the worker computes beside it), so
+    # the back ramp grows slower than the front one (back_growth). Not a line: a small
+    # chunk's reply can wait behind the gateway's sends, and a fit to those waits put the
+    # whole cost in the fixed part
+    out: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
     per_row: dict = field(default_factory=dict)  # bucket -> [decayed seconds, decayed rows]
     # the worker's minor page faults per reply: a reply that wrote fresh memory (2 us a page
     # in a VM) measures that, not its compute or its gap, and a first probe's stalled gap
@@ -218,6 +227,20 @@ class ChunkCosts:
             return 2.0
         return min(float(EDGE), max(2.0, c * 2 * rows / self.idle_s))
 
+    def back_growth(self, rows: int) -> float:
+        """:meth:`ramp_growth` for the ramp down to a part's last chunk: the chunk before the
+        last must be read and summed here while the last one computes, so the growth is the
+        worker's compute per row over the way back's time per row, as measured (:attr:`out`),
+        clamped to [2, EDGE]; :meth:`ramp_growth` until that was measured. At 4096 tokens
+        over tcp, 512-row edges grew to a 3665-row chunk before the last (growth EDGE): its
+        reply took 12.6 ms to read and sum, the last chunk 9.3 ms to compute, and the round
+        ended 4.4 ms after the worker's last reply."""
+        c = self.seconds_per_row(rows)
+        b = statistics.median(self.out) if self.out else None
+        if not c or not b or rows <= 0:
+            return self.ramp_growth(rows)
+        return min(float(EDGE), max(2.0, c / b))
+
     def cold_reply(self, faults: int) -> bool:
         """Whether a reply whose worker took ``faults`` minor page faults since its last is
         cold: its compute, its time outside it and its gap are then not recorded."""
@@ -234,6 +257,10 @@ class ChunkCosts:
     def record_gap(self, seconds: float, rows: int) -> None:
         if 0.0 <= seconds < 1.0 and rows > 0:  # else a worker clock from elsewhere, or a stop
             self.gap.record(rows, seconds)
+
+    def record_out(self, seconds: float, rows: int) -> None:
+        if 0.0 <= seconds < 1.0 and rows >= OUT_ROWS:  # else a clock from elsewhere, or a stall
+            self.out.append(seconds / rows)
 
     def record_idle(self, seconds: float) -> None:
         """A round that sent this worker its part whole, alone in flight (with other rounds
@@ -306,7 +333,7 @@ def choose_chunks(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
         return n * spr[b]
 
     best, best_net = (rows, rows), MARGIN * rows * whole
-    growth = costs.ramp_growth(rows)
+    growth, back = costs.ramp_growth(rows), costs.back_growth(rows)
     sizes, c = [], MIN_CHUNK
     while c * MAX_CHUNKS < rows:  # more messages than that never pays: not worth the model's time
         c *= 2
@@ -327,7 +354,7 @@ def choose_chunks(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
                 e = c // (EDGE * k)
                 if k > 1 and e < MIN_CHUNK:
                     break
-                b = split_part(groups, rows, c, growth, e)
+                b = split_part(groups, rows, c, growth, e, back)
                 candidates.append((e, len(b) - 1, (b[1] + b[-1] - b[-2]) / (2 * rows),
                                    sum(lost(y - x) for x, y in zip(b, b[1:]))))
         for e, n, exposed, extra in candidates:
@@ -458,7 +485,7 @@ def _back_cut(spans: list, lo: int, hi: int, limit: int) -> Optional[int]:
 
 
 def split_part(groups: Sequence[Sequence[int]], rows: int, size: int, growth: float = 2.0,
-               edge: Optional[int] = None) -> list[int]:
+               edge: Optional[int] = None, back_growth: Optional[float] = None) -> list[int]:
     """A part's chunk offsets at chunk size ``size``, ``[0, ..., rows]``: ramps at both ends,
     :func:`part_bounds` between them. The worker starts once the first chunk is gathered and
     sent, and the round ends once the last chunk's reply is summed, so those two are what
@@ -468,8 +495,10 @@ def split_part(groups: Sequence[Sequence[int]], rows: int, size: int, growth: fl
     last computes), else the worker waits for it: a small edge chunk beside a full one only
     exposed that one's flight instead. So from each end the chunks grow by ``growth`` (edge,
     2 edge, 4 edge, ... at 2; see :meth:`ChunkCosts.ramp_growth`) until the next may be full
-    size. Each end's ramp stays in its half of the part; a cut goes where :func:`_front_cut`
-    (:func:`_back_cut`) finds room, and a ramp stops where it finds none."""
+    size; the back ramp by ``back_growth`` if given (:meth:`ChunkCosts.back_growth`: the way
+    back may be slower than the way in). Each end's ramp stays in its half of the part; a
+    cut goes where :func:`_front_cut` (:func:`_back_cut`) finds room, and a ramp stops where
+    it finds none."""
     base = part_bounds(groups, rows, size)
     edge = size // EDGE if edge is None else min(edge, size)
     if len(base) <= 2 or edge <= 0:
@@ -486,6 +515,7 @@ def split_part(groups: Sequence[Sequence[int]], rows: int, size: int, growth: fl
         limit = max(edge, int(growth * (x - front[-1])))
         front.append(x)
     back, limit = [rows], edge
+    bg = growth if back_growth is None else back_growth
     while limit < size:
         x = _back_cut(spans, max(front[-1], rows // 2), back[-1], limit)
         if x is None:
@@ -493,7 +523,7 @@ def split_part(groups: Sequence[Sequence[int]], rows: int, size: int, growth: fl
             if prv:
                 back.append(prv[-1])
             break
-        limit = max(edge, int(growth * (back[-1] - x)))
+        limit = max(edge, int(bg * (back[-1] - x)))
         back.append(x)
     a, b = front[-1], back[-1]
     middle = [a + m for m in part_bounds(chunk_groups(groups, a, b), b - a, size)[1:-1]] if b > a else []

@@ -474,7 +474,8 @@ class RoundBook:
                 link = self.workers[w]
                 costs = link.chunk_costs
                 size, edge = link.chunk_sizer.choose(base, self.chunk_rows, costs, rnd.groups[w])
-                rnd.bounds[w] = split_part(rnd.groups[w], base, size, costs.ramp_growth(base), edge)
+                rnd.bounds[w] = split_part(rnd.groups[w], base, size, costs.ramp_growth(base), edge,
+                                           costs.back_growth(base))
         # auto: the size model would chunk this round; measured costs say whether to
         rnd.eligible = self.chunk_rows == "auto" and rnd.chunked
         if rnd.eligible and not self.chunk_mode.want_chunks(measurable=rnd.alone):
@@ -681,7 +682,11 @@ class RoundBook:
                 a, b = max(lo, base), min(hi, base + r.plan.worker_tokens(w.index))
                 r.plan.accumulate(w.index, a - base, b - base, y[a - lo:b - lo], r.acc)
             msg.release()
-            st.combine_s += time.perf_counter() - t
+            now = time.perf_counter()
+            st.combine_s += now - t
+            t_out = h.get("t_out")
+            if warm and w.local and isinstance(t_out, float):  # its clock is ours
+                w.chunk_costs.record_out(now - t_out, rows)
         else:
             rnd.replies[w.index][c] = (msg, msg.array(0, self.dtype, (rows, self.d_model)))
         for r in users:

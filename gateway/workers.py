@@ -30,6 +30,7 @@ import numpy as np
 import transport
 from gateway.chunking import ChunkCosts, ChunkSizer
 from transport import ConnectionClosed, Timeout, TransportError
+from transport.service.secrets import is_loopback
 from workers import protocol as P
 
 log = logging.getLogger("moe.workers")
@@ -153,6 +154,13 @@ class WorkerLink:
     @property
     def usable(self) -> bool:
         return self.state == Health.HEALTHY
+
+    @property
+    def local(self) -> bool:
+        """On this machine (shm://, a loopback address): the times its replies carry are on
+        our clock. (A worker in a network namespace here is too, but cannot be told apart
+        from one elsewhere by its URL.)"""
+        return is_loopback(self.url)
 
     def record_compute(self, seconds: float, rows: int) -> None:
         """A reply's compute time for ``rows`` rows: the worker's speed for least-loaded

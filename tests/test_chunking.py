@@ -350,6 +350,54 @@ def test_ramps_grow_as_fast_as_the_transport_allows():
     assert [y - x for x, y in zip(b, b[1:])][:2] == [256, 768]
 
 
+def test_the_back_ramp_grows_as_fast_as_replies_are_read_and_summed():
+    """The chunk before the last must be read and summed while the last one computes: the
+    back ramp's growth is the compute per row over the way back's median time per row, from
+    replies of OUT_ROWS rows or more; the front ramp's growth until that was measured."""
+    from gateway.chunking import EDGE, OUT_ROWS, SAMPLES, split_part
+    c = ChunkCosts()
+    c.record_compute(8192, 8192 * 18e-6)
+    for _ in range(SAMPLES):
+        c.record_idle(30e-3)  # 1.8 us a row each way: the front ramp grows at EDGE
+    assert c.ramp_growth(8192) == float(EDGE)
+    assert c.back_growth(8192) == float(EDGE)  # the way back not measured yet
+    c.record_out(1e-3, OUT_ROWS - 1)  # a small reply: its wait behind our sends, not its rows
+    c.record_out(5.0, 4096)  # a clock from another machine, or a stall
+    c.record_out(-1e-3, 4096)
+    assert not c.out and c.back_growth(8192) == float(EDGE)
+    for rows, per_row in ((3665, 3.4e-6), (1761, 2.9e-6), (1071, 3.6e-6), (512, 40e-6)):
+        c.record_out(rows * per_row, rows)  # tcp-like; 512 rows waited behind a send
+    assert c.back_growth(8192) == pytest.approx(18e-6 / ((3.4e-6 + 3.6e-6) / 2))
+    for _ in range(SAMPLES):
+        c.record_out(4096 * 0.8e-6, 4096)  # shm-like: the last reply's sum is all there is
+    assert c.back_growth(8192) == float(EDGE)
+    for _ in range(SAMPLES):
+        c.record_out(0.5, 4096)  # reading a reply far slower than computing it
+    assert c.back_growth(8192) == 2.0
+    # the back ramp at its own growth, the front one at the other (one-row groups)
+    b = split_part(_groups([1] * 8192), 8192, 2048, float(EDGE), None, 3.0)
+    sizes = [y - x for x, y in zip(b, b[1:])]
+    assert sizes[:2] == [256, 2048] and sizes[-2:] == [768, 256]
+    assert split_part(_groups([1] * 8192), 8192, 2048, 3.0) == split_part(_groups([1] * 8192), 8192, 2048, 3.0,
+                                                                          None, 3.0)
+
+
+def test_auto_prices_the_back_ramp_it_will_cut():
+    """The size model weighs the messages split_part really sends, the back ramp's included:
+    a slow way back means more chunks down to the last one."""
+    from gateway.chunking import OUT_ROWS, SAMPLES, split_part
+    groups = _groups([1] * 8192)
+    flat = {r: 18e-6 for r in (8192, 4096, 2048, 1024, 512, 256, 128, 64, 32)}
+    fast, slow = _costs(0.2e-3, flat, 60e-3), _costs(0.2e-3, flat, 60e-3)
+    for _ in range(SAMPLES):
+        slow.record_out(OUT_ROWS * 9e-6, OUT_ROWS)  # growth 2 on the way back
+    assert slow.back_growth(8192) == 2.0 and fast.back_growth(8192) == fast.ramp_growth(8192)
+    (s1, e1), (s2, e2) = choose_chunks(8192, "auto", fast, groups), choose_chunks(8192, "auto", slow, groups)
+    n_fast = len(split_part(groups, 8192, s1, fast.ramp_growth(8192), e1, fast.back_growth(8192))) - 1
+    n_slow = len(split_part(groups, 8192, s2, slow.ramp_growth(8192), e2, slow.back_growth(8192))) - 1
+    assert 1 < n_fast < n_slow
+
+
 def test_ramp_examples():
     from gateway.chunking import split_part
     # 1024-row groups at 2048 a chunk: 256, 512, 1024 from each end (inside the first and

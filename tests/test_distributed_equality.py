@@ -229,6 +229,47 @@ def test_round_timed_to_its_last_combine(backend):
         assert [len(w.chunk_costs.idle) for w in pool.workers] == [n + 1 for n in before]
 
 
+def test_chunk_replies_of_local_workers_time_the_way_back(backend, monkeypatch):
+    """A chunk's reply from a worker on this machine measures the way back, from the time it
+    says it replied (its clock is ours) to its rows summed here; one from elsewhere does not
+    (its clock is not ours), and its back ramp stays at the front ramp's growth."""
+    import gateway.chunking as chunking
+    from gateway.workers import WorkerLink
+    b = _backend(backend)
+    monkeypatch.setattr(chunking, "OUT_ROWS", 1)  # these workers take 96 rows at most
+    router = Router(D, E, 2, seed=SEED)
+    x = tokens(MAX_BATCH, 6)
+    want = reference_for(dict(top_k=2)).forward(x)[0]
+    with WorkerPool(b.urls, router, max_batch_tokens=MAX_BATCH, chunk_rows=8) as pool:
+        assert all(w.local for w in pool.workers)
+        pool.forward(x)  # a worker's first replies may fault in fresh memory: not timed (cold)
+        for w in pool.workers:
+            w.chunk_costs.out.clear()
+        start = time.perf_counter()
+        y, stats = pool.forward(x)
+        took = time.perf_counter() - start
+        np.testing.assert_allclose(y, want, **TOL)
+        assert stats.messages > stats.workers  # in chunks
+        for w in pool.workers:
+            out = w.chunk_costs.out  # seconds a row, of replies of 1-8 rows
+            assert out and all(0.0 < per_row < took for per_row in out), (w.url, list(out), took)
+        monkeypatch.setattr(WorkerLink, "local", property(lambda self: False))
+        for w in pool.workers:
+            w.chunk_costs.out.clear()
+        y, _ = pool.forward(x)
+        np.testing.assert_allclose(y, want, **TOL)
+        assert not any(w.chunk_costs.out for w in pool.workers)
+        assert all(w.chunk_costs.back_growth(MAX_BATCH) == w.chunk_costs.ramp_growth(MAX_BATCH)
+                   for w in pool.workers)
+
+
+def test_a_worker_is_local_by_its_url():
+    from gateway.workers import WorkerLink
+    assert WorkerLink(0, "shm:///moe-w0").local
+    assert WorkerLink(0, "tcp://127.0.0.1:5000").local and WorkerLink(0, "rdma://[::1]:5000").local
+    assert not WorkerLink(0, "tcp://192.0.2.7:5000").local  # (never connected to)
+
+
 @pytest.mark.parametrize("chunk_rows", [0, 5], ids=["one-message", "chunks-5"])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
 def test_pool_in_process_equals_reference(backend, split, chunk_rows):
