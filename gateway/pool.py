@@ -88,6 +88,7 @@ class WorkerPool:
         self.workers.on_message = self._on_message
         self.workers.on_up.append(self._up)
         self.workers.on_down.append(self._down)
+        self.workers.on_write_pending.append(self._write_pending)
         self.on_round = None  # callable(BatchStats) after each settled round (metrics)
         try:
             self.workers.connect_all(connect_timeout)
@@ -101,7 +102,17 @@ class WorkerPool:
 
     # -- plumbing ------------------------------------------------------------------------------
     def _up(self, w: WorkerLink) -> None:
-        self.loop.watch(w.conn, lambda w=w: self.workers.read(w))
+        self.loop.watch(w.conn, lambda w=w: self._ready(w))
+
+    def _write_pending(self, w: WorkerLink) -> None:
+        self.loop.watch_write(w.conn, True)
+
+    def _ready(self, w: WorkerLink) -> None:
+        """``w``'s connection is readable, or has room for a frame it is still writing."""
+        conn = w.conn
+        if conn is not None and self.loop.watching_write(conn) and self.workers.flush(w) and w.conn is conn:
+            self.loop.watch_write(conn, False)
+        self.workers.read(w)
 
     def _down(self, w: WorkerLink, why: str) -> None:
         self.loop.unwatch(w.conn)

@@ -255,7 +255,9 @@ class WorkerSet:
 
     ``post(fn)`` runs ``fn`` on the owner's loop thread (ServeLoop.call_soon_threadsafe);
     ``on_up(w)`` / ``on_down(w, why)`` tell the owner when a worker's connection appears or
-    goes (to watch it in a poller; to fail or retry what was in flight on it).
+    goes (to watch it in a poller; to fail or retry what was in flight on it);
+    ``on_write_pending(w)`` when a send left bytes of a frame for later (to wake when the
+    kernel has room for them, and call :meth:`flush`).
     """
 
     def __init__(self, urls: Sequence[str], shape: LayerShape, *, nslots: int = 8, timeout: float = 10.0,
@@ -273,6 +275,7 @@ class WorkerSet:
         self.post = post
         self.on_up: list[Callable[[WorkerLink], None]] = []
         self.on_down: list[Callable[[WorkerLink, str], None]] = []
+        self.on_write_pending: list[Callable[[WorkerLink], None]] = []
         self.on_message: Callable[[WorkerLink, Any], None] = lambda w, msg: msg.release()
         self._closed = False
 
@@ -448,13 +451,29 @@ class WorkerSet:
             self.mark_unhealthy(w, "its connection takes no more messages (it holds every credit)")
             return False
         try:
-            w.conn.send(header, buffers, timeout=0)  # the rest of a big frame: flushed by tick()
+            conn = w.conn
+            conn.send(header, buffers, timeout=0)  # the rest of a big frame: see flush()
+            if conn.wants_write():
+                for fn in self.on_write_pending:
+                    fn(w)
             return True
         except Timeout:
             self.mark_unhealthy(w, "send timed out")
         except (TransportError, ValueError) as e:
             self.lost(w, f"send failed: {e}")
         return False
+
+    def flush(self, w: WorkerLink) -> bool:
+        """Write what the kernel takes now of a frame ``w``'s connection holds; True once
+        nothing is left (or the connection is gone: lost)."""
+        conn = w.conn
+        if conn is None or not conn.wants_write():
+            return True
+        try:
+            return conn.flush()
+        except TransportError as e:
+            self.lost(w, f"send failed: {e}")
+            return True
 
     def read(self, w: WorkerLink, batch: int = 64) -> None:
         """Take what ``w`` has ready (call when its connection polls readable)."""
@@ -476,13 +495,11 @@ class WorkerSet:
         """Heartbeats and reconnections; returns when it next wants to run."""
         nxt = now + self.heartbeat
         for w in self.links:
-            if w.conn is not None and w.conn.wants_write():
-                try:
-                    if not w.conn.flush():
-                        nxt = min(nxt, now + 0.005)
-                except TransportError as e:
-                    self.lost(w, f"send failed: {e}")
-                    continue
+            conn = w.conn
+            if not self.flush(w):  # (the owner flushes as the kernel takes them: a fallback)
+                nxt = min(nxt, now + 0.005)
+            if conn is not None and w.conn is None:
+                continue  # lost while flushing: reconnecting starts at its next attempt time
             if w.control_queue and w.conn is not None:
                 while w.control_queue and w.conn is not None and (w.conn.send_ready() or w.outstanding_rows <= 0):
                     self.send(w, w.control_queue.pop(0))  # (not ready with nothing of ours out: it reports it)

@@ -429,3 +429,31 @@ def test_the_loop_spins_for_a_workers_last_reply_only_when_asked(spin):
             assert not reported["enabled"] and reported["windows"] == 0 and spun == 0.0
     finally:
         s.close()
+
+
+
+def test_a_part_larger_than_the_socket_buffers_is_written_as_the_worker_reads():
+    """A frame the kernel cannot take at once is finished as room appears: the pool's loop
+    is asked to wake for room while bytes of it are left, and no longer once they are out
+    (tests/test_serve_loop.py: that wake-up comes). Before, only the pool's 5 ms timer and
+    its other wake-ups wrote the rest: the first 32 MB of a round took 10-46 ms to arrive."""
+    d, rows = 2048, 4096
+    worker = FakeWorker([0, 1], d_model=d, max_tokens=rows, secret=secret_of_session())
+    router = Router(d, 2, 1, seed=3)
+    try:
+        with WorkerPool([worker.url], router, max_batch_tokens=rows, timeout=10, connect_timeout=5,
+                        secret=secret_of_session(), chunk_rows=0) as pool:
+            conn = pool.workers[0].conn
+            asked = []
+            real_watch = pool.loop.watch_write
+            pool.loop.watch_write = lambda obj, on: (asked.append((obj is conn, on)), real_watch(obj, on))
+            for seed in range(2):
+                x = np.random.default_rng(seed).standard_normal((rows, d)).astype(np.float32)
+                y, stats = pool.forward(x)  # 32 MiB each way, one message
+                np.testing.assert_allclose(y, fake_layer_output(x, router.route(x)), rtol=1e-5, atol=1e-6)
+                assert stats.messages == 1
+                assert asked[-2:] == [(True, True), (True, False)]
+                assert not pool.loop.watching_write(conn)
+            assert len(asked) == 4
+    finally:
+        worker.close()

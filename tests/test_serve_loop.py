@@ -189,6 +189,43 @@ def test_a_reply_larger_than_the_socket_buffers_goes_out_as_the_peer_reads(monke
         srv.close()
 
 
+def test_a_watched_socket_wakes_the_loop_for_room_to_write_only_while_asked():
+    """watch_write: a watched object whose kernel buffer has room is reported (its handler
+    called) at once, however long the loop would sleep; not before it is asked, not after
+    it is told to stop, and not after it is unwatched."""
+    a, b = socket.socketpair()
+    loop = ServeLoop(poll_tick=60.0)
+    calls = []
+    try:
+        loop.watch(a, lambda: calls.append(1))
+        loop.run_once(timeout=0.05)
+        assert calls == []  # nothing to read, and room to write is not asked for
+        loop.watch_write(a, True)
+        assert loop.watching_write(a)
+        loop.run_once(timeout=60.0)  # (the test's own timeout ends it if the loop sleeps)
+        assert calls == [1]
+        loop.watch_write(a, True)  # asked twice: once is enough
+        loop.watch_write(a, False)
+        assert not loop.watching_write(a)
+        loop.run_once(timeout=0.05)
+        assert calls == [1]
+        b.send(b"x")  # still watched for reading
+        loop.run_once(timeout=60.0)
+        assert calls == [1, 1]
+        a.recv(1)
+        loop.watch_write(a, True)
+        loop.unwatch(a)
+        assert not loop.watching_write(a)
+        loop.watch_write(b, True)  # never watched: nothing to wake for, and no error
+        assert not loop.watching_write(b)
+        loop.run_once(timeout=0.05)
+        assert calls == [1, 1]
+    finally:
+        loop.close()
+        a.close()
+        b.close()
+
+
 SERVER = r"""
 import os, resource, sys, time
 sys.path.insert(0, os.getcwd())
