@@ -459,15 +459,21 @@ def _front_cut(spans: list, lo: int, hi: int, limit: int) -> Optional[int]:
     the last group start that leaves at least half of ``limit``; else ``limit`` rows on,
     inside a group, if both its pieces keep MIN_PIECE rows (a product is one read of the
     expert's weights whatever its rows: a small piece costs more than the rows it stops
-    exposing); else the last group start in reach; else None (the ramp stops there)."""
+    exposing), or short of it, MIN_PIECE rows before the group's end; else the last group
+    start in reach; else None (the ramp stops there, and the next chunk is a full one: over
+    tcp at 4096 tokens a 128-row edge was followed by 2940 rows, and the worker waited 6.3 ms
+    for them, when the group had room for a 644-row cut)."""
     at = [s for s, _ in spans if lo < s <= lo + limit and s < hi]
     if at and max(at) - lo >= limit // 2:
         return max(at)
     x = lo + limit
     if x < hi and limit >= MIN_PIECE:
         inside = [(s, e) for s, e in spans if s < x < e]
-        if inside and x - max(inside[0][0], lo) >= MIN_PIECE and min(inside[0][1], hi) - x >= MIN_PIECE:
-            return x
+        if inside:
+            start, end = max(inside[0][0], lo), min(inside[0][1], hi)
+            x = min(x, end - MIN_PIECE)
+            if x - start >= MIN_PIECE:
+                return x
     return max(at) if at else None
 
 
@@ -479,8 +485,11 @@ def _back_cut(spans: list, lo: int, hi: int, limit: int) -> Optional[int]:
     x = hi - limit
     if x > lo and limit >= MIN_PIECE:
         inside = [(s, e) for s, e in spans if s < x < e]
-        if inside and x - max(inside[0][0], lo) >= MIN_PIECE and min(inside[0][1], hi) - x >= MIN_PIECE:
-            return x
+        if inside:
+            start, end = max(inside[0][0], lo), min(inside[0][1], hi)
+            x = max(x, start + MIN_PIECE)
+            if end - x >= MIN_PIECE:
+                return x
     return min(at) if at else None
 
 
