@@ -183,6 +183,13 @@ class ChunkCosts:
     # chunk's reply can wait behind the gateway's sends, and a fit to those waits put the
     # whole cost in the fixed part
     out: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    # seconds a row from our gather of a chunk after a part's first to the worker having it
+    # (its clock, ``t_rx``: only a worker on this machine that receives while it computes),
+    # chunks of OUT_ROWS rows or more (the last SAMPLES): the way in beside the computing
+    # worker. Over tcp here about 3.7 us a row against 2 in a round sent whole, so the front
+    # ramp's growth from the whole round's no-token time (8) had the second chunk land
+    # 1-2 ms after the first was done (front_growth)
+    into: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
     per_row: dict = field(default_factory=dict)  # bucket -> [decayed seconds, decayed rows]
     # the worker's minor page faults per reply: a reply that wrote fresh memory (2 us a page
     # in a VM) measures that, not its compute or its gap, and a first probe's stalled gap
@@ -227,6 +234,17 @@ class ChunkCosts:
             return 2.0
         return min(float(EDGE), max(2.0, c * 2 * rows / self.idle_s))
 
+    def front_growth(self, rows: int) -> float:
+        """:meth:`ramp_growth` for the ramp up from a part's first chunk, from the way in
+        as measured (:attr:`into`): the worker's compute per row over the median way in per
+        row, clamped to [2, EDGE]; :meth:`ramp_growth` until that was measured (always, for
+        a worker that does not say when a chunk reached it)."""
+        c = self.seconds_per_row(rows)
+        u = statistics.median(self.into) if self.into else None
+        if not c or not u or rows <= 0:
+            return self.ramp_growth(rows)
+        return min(float(EDGE), max(2.0, c / u))
+
     def back_growth(self, rows: int) -> float:
         """:meth:`ramp_growth` for the ramp down to a part's last chunk: the chunk before the
         last must be read and summed here while the last one computes, so the growth is the
@@ -257,6 +275,10 @@ class ChunkCosts:
     def record_gap(self, seconds: float, rows: int) -> None:
         if 0.0 <= seconds < 1.0 and rows > 0:  # else a worker clock from elsewhere, or a stop
             self.gap.record(rows, seconds)
+
+    def record_in(self, seconds: float, rows: int) -> None:
+        if 0.0 <= seconds < 1.0 and rows >= OUT_ROWS:  # else a clock from elsewhere, or a stall
+            self.into.append(seconds / rows)
 
     def record_out(self, seconds: float, rows: int) -> None:
         if 0.0 <= seconds < 1.0 and rows >= OUT_ROWS:  # else a clock from elsewhere, or a stall
@@ -333,7 +355,7 @@ def choose_chunks(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
         return n * spr[b]
 
     best, best_net = (rows, rows), MARGIN * rows * whole
-    growth, back = costs.ramp_growth(rows), costs.back_growth(rows)
+    growth, back = costs.front_growth(rows), costs.back_growth(rows)
     sizes, c = [], MIN_CHUNK
     while c * MAX_CHUNKS < rows:  # more messages than that never pays: not worth the model's time
         c *= 2

@@ -194,6 +194,7 @@ class Round:
         self.sent: dict = {}  # worker -> chunks sent
         self.last_reply: dict = {}  # worker -> (its reply clock t_out, our receive time) of its last chunk
         self.sent_t: dict = {}  # (worker, chunk) -> when we sent it (chunked parts only)
+        self.gather_t: dict = {}  # (worker, chunk) -> when we began its gather (chunks after the first)
         self.answered: set = set()  # (worker, chunk) answered
         self.busy: dict = {}  # worker -> its seconds handling our messages (receive to reply)
         self.compute: dict = {}  # worker -> its compute seconds
@@ -474,7 +475,7 @@ class RoundBook:
                 link = self.workers[w]
                 costs = link.chunk_costs
                 size, edge = link.chunk_sizer.choose(base, self.chunk_rows, costs, rnd.groups[w])
-                rnd.bounds[w] = split_part(rnd.groups[w], base, size, costs.ramp_growth(base), edge,
+                rnd.bounds[w] = split_part(rnd.groups[w], base, size, costs.front_growth(base), edge,
                                            costs.back_growth(base))
         # auto: the size model would chunk this round; measured costs say whether to
         rnd.eligible = self.chunk_rows == "auto" and rnd.chunked
@@ -591,6 +592,8 @@ class RoundBook:
         rnd.sent[w.index] += 1
         if not whole:
             rnd.sent_t[(w.index, c)] = time.perf_counter()
+            if c:
+                rnd.gather_t[(w.index, c)] = t0
         st = rnd.stats
         st.messages += 1
         st.gather_s += t1 - t0
@@ -684,9 +687,12 @@ class RoundBook:
             msg.release()
             now = time.perf_counter()
             st.combine_s += now - t
-            t_out = h.get("t_out")
-            if warm and w.local and isinstance(t_out, float):  # its clock is ours
-                w.chunk_costs.record_out(now - t_out, rows)
+            if warm and w.local:  # its clock is ours
+                t_out, t_rx, began = h.get("t_out"), h.get("t_rx"), rnd.gather_t.get(key)
+                if isinstance(t_out, float):
+                    w.chunk_costs.record_out(now - t_out, rows)
+                if isinstance(t_rx, float) and began is not None:
+                    w.chunk_costs.record_in(t_rx - began, rows)
         else:
             rnd.replies[w.index][c] = (msg, msg.array(0, self.dtype, (rows, self.d_model)))
         for r in users:

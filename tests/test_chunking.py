@@ -382,6 +382,44 @@ def test_the_back_ramp_grows_as_fast_as_replies_are_read_and_summed():
                                                                           None, 3.0)
 
 
+def test_the_front_ramp_grows_as_fast_as_chunks_reach_the_worker():
+    """The chunk after the first must reach the worker while the first computes: the front
+    ramp's growth is the compute per row over the way in's median time per row, from chunks
+    of OUT_ROWS rows or more; the whole round's no-token time until that was measured."""
+    from gateway.chunking import EDGE, OUT_ROWS, SAMPLES
+    c = ChunkCosts()
+    c.record_compute(8192, 8192 * 18e-6)
+    for _ in range(SAMPLES):
+        c.record_idle(30e-3)  # 1.8 us a row each way in a round sent whole: growth EDGE
+    assert c.front_growth(8192) == c.ramp_growth(8192) == float(EDGE)
+    c.record_in(1e-3, OUT_ROWS - 1)  # a small chunk: its fixed costs, not its rows
+    c.record_in(5.0, 4096)  # a clock from another machine, or a stall
+    c.record_in(-1e-3, 4096)
+    assert not c.into and c.front_growth(8192) == float(EDGE)
+    for rows, per_row in ((2530, 3.7e-6), (3221, 3.3e-6), (704, 4.1e-6)):
+        c.record_in(rows * per_row, rows)  # tcp-like: gathered and copied beside the compute
+    assert c.front_growth(8192) == pytest.approx(18e-6 / 3.7e-6)
+    assert c.back_growth(8192) == c.ramp_growth(8192)  # each ramp from its own way
+    for _ in range(SAMPLES):
+        c.record_in(0.5, 4096)
+    assert c.front_growth(8192) == 2.0
+
+
+def test_auto_prices_the_front_ramp_it_will_cut():
+    """A slow way in means more chunks up from the first, and the model prices them."""
+    from gateway.chunking import OUT_ROWS, SAMPLES, split_part
+    groups = _groups([1] * 8192)
+    flat = {r: 18e-6 for r in (8192, 4096, 2048, 1024, 512, 256, 128, 64, 32)}
+    fast, slow = _costs(0.2e-3, flat, 60e-3), _costs(0.2e-3, flat, 60e-3)
+    for _ in range(SAMPLES):
+        slow.record_in(OUT_ROWS * 9e-6, OUT_ROWS)  # growth 2 on the way in
+    assert slow.front_growth(8192) == 2.0 and fast.front_growth(8192) == fast.ramp_growth(8192)
+    (s1, e1), (s2, e2) = choose_chunks(8192, "auto", fast, groups), choose_chunks(8192, "auto", slow, groups)
+    n_fast = len(split_part(groups, 8192, s1, fast.front_growth(8192), e1, fast.back_growth(8192))) - 1
+    n_slow = len(split_part(groups, 8192, s2, slow.front_growth(8192), e2, slow.back_growth(8192))) - 1
+    assert 1 < n_fast < n_slow
+
+
 def test_auto_prices_the_back_ramp_it_will_cut():
     """The size model weighs the messages split_part really sends, the back ramp's included:
     a slow way back means more chunks down to the last one."""

@@ -263,6 +263,43 @@ def test_chunk_replies_of_local_workers_time_the_way_back(backend, monkeypatch):
                    for w in pool.workers)
 
 
+def test_chunks_to_local_workers_that_receive_while_computing_time_the_way_in(backend, monkeypatch):
+    """A chunk after a part's first, to a worker on this machine that reads while it
+    computes (tcp: a compute thread), measures the way in, from our gather to the time the
+    worker says it arrived (``t_rx``). A shm worker computes on its loop's thread and reads
+    a chunk only between computes: it says nothing, and the front ramp keeps the whole
+    round's growth; so does one elsewhere."""
+    import gateway.chunking as chunking
+    from gateway.workers import WorkerLink
+    b = _backend(backend)
+    monkeypatch.setattr(chunking, "OUT_ROWS", 1)  # these workers take 96 rows at most
+    router = Router(D, E, 2, seed=SEED)
+    x = tokens(MAX_BATCH, 7)
+    want = reference_for(dict(top_k=2)).forward(x)[0]
+    with WorkerPool(b.urls, router, max_batch_tokens=MAX_BATCH, chunk_rows=8) as pool:
+        pool.forward(x)  # a worker's first replies may fault in fresh memory: not timed (cold)
+        for w in pool.workers:
+            w.chunk_costs.into.clear()
+        start = time.perf_counter()
+        y, stats = pool.forward(x)
+        took = time.perf_counter() - start
+        np.testing.assert_allclose(y, want, **TOL)
+        assert stats.messages > 2 * stats.workers  # chunks after each part's first
+        for w in pool.workers:
+            into = list(w.chunk_costs.into)
+            if b.backend == "tcp":
+                assert into and all(0.0 < per_row < took for per_row in into), (w.url, into, took)
+            else:
+                assert not into
+                assert w.chunk_costs.front_growth(MAX_BATCH) == w.chunk_costs.ramp_growth(MAX_BATCH)
+        monkeypatch.setattr(WorkerLink, "local", property(lambda self: False))
+        for w in pool.workers:
+            w.chunk_costs.into.clear()
+        y, _ = pool.forward(x)
+        np.testing.assert_allclose(y, want, **TOL)
+        assert not any(w.chunk_costs.into for w in pool.workers)
+
+
 def test_a_worker_is_local_by_its_url():
     from gateway.workers import WorkerLink
     assert WorkerLink(0, "shm:///moe-w0").local

@@ -39,6 +39,7 @@ def worker(request, tmp_path_factory):
         w = services.worker(backend, EXPERTS, d_model=D, d_ff=F, seed=SEED, max_tokens=MAX_TOKENS,
                             extra=["--update-dir", str(updates), "--compute-thread", compute_thread])
         w.update_dir = updates
+        w.compute_thread = compute_thread == "on" or compute_thread == "auto" and backend == "tcp"
         yield backend, w
 
 
@@ -351,10 +352,13 @@ def test_sigterm_drains_in_flight_batches_then_exits_0(backend, compute_thread):
     assert shm_entries() - shm_before == set()
 
 
-def test_more_batches_than_reply_slots_are_all_answered_in_order(connect):
+def test_more_batches_than_reply_slots_are_all_answered_in_order(connect, worker):
     """Forwards sent back to back, more than the client's receive slots (the worker's reply
     slots): with a compute thread, batches queued behind the one computing must not hold
-    every reply slot (nothing could be sent to free one: shm deadlocked that way)."""
+    every reply slot (nothing could be sent to free one: shm deadlocked that way). A worker
+    with a compute thread says when each arrived (``t_rx``, read by its loop's thread
+    meanwhile), before it was taken up; one without does not (it reads between computes)."""
+    threaded = _service(worker).compute_thread
     c = connect()  # nslots=4: the worker has 4 reply slots; we may send 8 (its slots)
     xs = [_tokens(MAX_TOKENS, seed=10 + i) for i in range(8)]
     groups = [(0, 0, 10), (1, 10, 12), (5, 22, MAX_TOKENS - 22)]
@@ -369,6 +373,10 @@ def test_more_batches_than_reply_slots_are_all_answered_in_order(connect):
             assert msg.header["id"] == 100 + i  # computed one at a time, in the order sent
             np.testing.assert_allclose(msg.array(0, np.float32, x.shape), _expected(x, groups), rtol=1e-5, atol=1e-6)
             spans.append((msg.header["t_in"], msg.header["t_out"]))
+            if threaded:
+                assert isinstance(msg.header["t_rx"], float) and msg.header["t_rx"] <= msg.header["t_in"]
+            else:
+                assert "t_rx" not in msg.header
     # t_in is when the batch was taken up, not when it arrived: the busy spans never overlap
     for (a0, b0), (a1, b1) in zip(spans, spans[1:]):
         assert a0 <= b0 <= a1 <= b1

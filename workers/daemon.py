@@ -396,8 +396,11 @@ class WorkerDaemon:
 
         def run() -> dict:
             # t_in is when the compute thread took it: the gateway reads t_out - t_in as the
-            # worker's busy time, and time spent queued behind another batch is not that
-            return job.compute(view, time.perf_counter())
+            # worker's busy time, and time spent queued behind another batch is not that.
+            # t_rx: when the loop's thread read it, as it arrived (the loop is not computing)
+            reply = job.compute(view, time.perf_counter())
+            reply["t_rx"] = job.t_in
+            return reply
 
         def done(reply, err) -> None:
             msg.release()  # inputs consumed: give the sender its slot back before we reply

@@ -15,7 +15,8 @@ Requests and their replies::
     ping     {op, id}                               -> pong  {experts, versions, in_flight,
                                                               draining, counters}
     forward  {op, id, dtype, shape, layer?, groups?}  [x]   -> result {id, dtype, shape, compute_s,
-                                                               t_in?, t_out?, flt?, timing?, versions?}  [y]
+                                                               t_in?, t_out?, t_rx?, flt?, timing?,
+                                                               versions?}  [y]
     load     {op, id, expert, version, layer?, weights | seed | checkpoint, fingerprint?}
                                                     -> loaded  {id, expert, version, layer?}
     retire   {op, id, expert, version, layer?}      -> retired {id, expert, version, active, layer?}
@@ -33,8 +34,11 @@ that starts draining (SIGTERM) sends an unsolicited ``{op: "draining"}`` on ever
 connection. ``versions`` in info and pong is [[expert, active, [held, ...]], ...].
 ``t_in``/``t_out`` in a result are the worker's clock (seconds) when it took the request up
 (its compute thread, if it has one: not while it queued behind another) and when its output
-was ready: the gateway reads their difference, the worker's busy time per message, never
-compares them with its own clock. ``flt`` is the minor page faults the worker process has
+was ready: the gateway reads their difference, the worker's busy time per message. ``t_rx``,
+only from a worker with a compute thread: when its loop read the request, as it arrived.
+Only for a worker on its own machine (shm, a loopback address: the clock is the same) does
+the gateway compare ``t_out`` and ``t_rx`` with its own clock, to time a chunk's way back
+and way in (gateway/chunking.py, ChunkCosts). ``flt`` is the minor page faults the worker process has
 taken so far (a count that only grows while it runs): the gateway takes the difference
 between two replies to tell a round that wrote fresh memory, whose time is a start-up cost,
 from the steady state (gateway/chunking.py, ChunkMode).
