@@ -405,35 +405,23 @@ def test_the_front_ramp_grows_as_fast_as_chunks_reach_the_worker():
     assert c.front_growth(8192) == 2.0
 
 
-def test_auto_prices_the_front_ramp_it_will_cut():
-    """A slow way in means more chunks up from the first, and the model prices them."""
+@pytest.mark.parametrize("way", ["in", "out"])
+def test_auto_prices_the_ramps_it_will_cut(way):
+    """The size model weighs the messages split_part really sends, the ramps' included: a
+    slow way in means more chunks up from the first, a slow way back more down to the last."""
     from gateway.chunking import OUT_ROWS, SAMPLES, split_part
     groups = _groups([1] * 8192)
     flat = {r: 18e-6 for r in (8192, 4096, 2048, 1024, 512, 256, 128, 64, 32)}
     fast, slow = _costs(0.2e-3, flat, 60e-3), _costs(0.2e-3, flat, 60e-3)
+    record, growth = {"in": ("record_in", "front_growth"), "out": ("record_out", "back_growth")}[way]
     for _ in range(SAMPLES):
-        slow.record_in(OUT_ROWS * 9e-6, OUT_ROWS)  # growth 2 on the way in
-    assert slow.front_growth(8192) == 2.0 and fast.front_growth(8192) == fast.ramp_growth(8192)
-    (s1, e1), (s2, e2) = choose_chunks(8192, "auto", fast, groups), choose_chunks(8192, "auto", slow, groups)
-    n_fast = len(split_part(groups, 8192, s1, fast.front_growth(8192), e1, fast.back_growth(8192))) - 1
-    n_slow = len(split_part(groups, 8192, s2, slow.front_growth(8192), e2, slow.back_growth(8192))) - 1
-    assert 1 < n_fast < n_slow
+        getattr(slow, record)(OUT_ROWS * 9e-6, OUT_ROWS)  # growth 2 that way
+    assert getattr(slow, growth)(8192) == 2.0 and getattr(fast, growth)(8192) == fast.ramp_growth(8192)
 
-
-def test_auto_prices_the_back_ramp_it_will_cut():
-    """The size model weighs the messages split_part really sends, the back ramp's included:
-    a slow way back means more chunks down to the last one."""
-    from gateway.chunking import OUT_ROWS, SAMPLES, split_part
-    groups = _groups([1] * 8192)
-    flat = {r: 18e-6 for r in (8192, 4096, 2048, 1024, 512, 256, 128, 64, 32)}
-    fast, slow = _costs(0.2e-3, flat, 60e-3), _costs(0.2e-3, flat, 60e-3)
-    for _ in range(SAMPLES):
-        slow.record_out(OUT_ROWS * 9e-6, OUT_ROWS)  # growth 2 on the way back
-    assert slow.back_growth(8192) == 2.0 and fast.back_growth(8192) == fast.ramp_growth(8192)
-    (s1, e1), (s2, e2) = choose_chunks(8192, "auto", fast, groups), choose_chunks(8192, "auto", slow, groups)
-    n_fast = len(split_part(groups, 8192, s1, fast.ramp_growth(8192), e1, fast.back_growth(8192))) - 1
-    n_slow = len(split_part(groups, 8192, s2, slow.ramp_growth(8192), e2, slow.back_growth(8192))) - 1
-    assert 1 < n_fast < n_slow
+    def messages(costs):
+        size, edge = choose_chunks(8192, "auto", costs, groups)
+        return len(split_part(groups, 8192, size, costs.front_growth(8192), edge, costs.back_growth(8192))) - 1
+    assert 1 < messages(fast) < messages(slow)
 
 
 def test_ramp_examples():

@@ -229,14 +229,20 @@ def test_round_timed_to_its_last_combine(backend):
         assert [len(w.chunk_costs.idle) for w in pool.workers] == [n + 1 for n in before]
 
 
-def test_chunk_replies_of_local_workers_time_the_way_back(backend, monkeypatch):
-    """A chunk's reply from a worker on this machine measures the way back, from the time it
-    says it replied (its clock is ours) to its rows summed here; one from elsewhere does not
-    (its clock is not ours), and its back ramp stays at the front ramp's growth."""
+@pytest.mark.parametrize("way", ["in", "back"])
+def test_chunks_of_local_workers_time_each_way(backend, way, monkeypatch):
+    """Chunks to and from a worker on this machine (its clock is ours) time each way. Back:
+    a reply, from the time the worker says it replied to its rows summed here. In: a chunk
+    after a part's first, from our gather to the time the worker says it read it (``t_rx``),
+    which only a worker that reads while it computes says (tcp: a compute thread); a shm
+    worker computes on its loop's thread and reads a chunk only between computes. A worker
+    elsewhere measures neither way, and its ramps keep the whole round's growth."""
     import gateway.chunking as chunking
     from gateway.workers import WorkerLink
     b = _backend(backend)
     monkeypatch.setattr(chunking, "OUT_ROWS", 1)  # these workers take 96 rows at most
+    samples, growth = {"in": ("into", "front_growth"), "back": ("out", "back_growth")}[way]
+    measured = way == "back" or b.backend == "tcp"
     router = Router(D, E, 2, seed=SEED)
     x = tokens(MAX_BATCH, 6)
     want = reference_for(dict(top_k=2)).forward(x)[0]
@@ -244,60 +250,27 @@ def test_chunk_replies_of_local_workers_time_the_way_back(backend, monkeypatch):
         assert all(w.local for w in pool.workers)
         pool.forward(x)  # a worker's first replies may fault in fresh memory: not timed (cold)
         for w in pool.workers:
-            w.chunk_costs.out.clear()
-        start = time.perf_counter()
-        y, stats = pool.forward(x)
-        took = time.perf_counter() - start
-        np.testing.assert_allclose(y, want, **TOL)
-        assert stats.messages > stats.workers  # in chunks
-        for w in pool.workers:
-            out = w.chunk_costs.out  # seconds a row, of replies of 1-8 rows
-            assert out and all(0.0 < per_row < took for per_row in out), (w.url, list(out), took)
-        monkeypatch.setattr(WorkerLink, "local", property(lambda self: False))
-        for w in pool.workers:
-            w.chunk_costs.out.clear()
-        y, _ = pool.forward(x)
-        np.testing.assert_allclose(y, want, **TOL)
-        assert not any(w.chunk_costs.out for w in pool.workers)
-        assert all(w.chunk_costs.back_growth(MAX_BATCH) == w.chunk_costs.ramp_growth(MAX_BATCH)
-                   for w in pool.workers)
-
-
-def test_chunks_to_local_workers_that_receive_while_computing_time_the_way_in(backend, monkeypatch):
-    """A chunk after a part's first, to a worker on this machine that reads while it
-    computes (tcp: a compute thread), measures the way in, from our gather to the time the
-    worker says it arrived (``t_rx``). A shm worker computes on its loop's thread and reads
-    a chunk only between computes: it says nothing, and the front ramp keeps the whole
-    round's growth; so does one elsewhere."""
-    import gateway.chunking as chunking
-    from gateway.workers import WorkerLink
-    b = _backend(backend)
-    monkeypatch.setattr(chunking, "OUT_ROWS", 1)  # these workers take 96 rows at most
-    router = Router(D, E, 2, seed=SEED)
-    x = tokens(MAX_BATCH, 7)
-    want = reference_for(dict(top_k=2)).forward(x)[0]
-    with WorkerPool(b.urls, router, max_batch_tokens=MAX_BATCH, chunk_rows=8) as pool:
-        pool.forward(x)  # a worker's first replies may fault in fresh memory: not timed (cold)
-        for w in pool.workers:
-            w.chunk_costs.into.clear()
+            getattr(w.chunk_costs, samples).clear()
         start = time.perf_counter()
         y, stats = pool.forward(x)
         took = time.perf_counter() - start
         np.testing.assert_allclose(y, want, **TOL)
         assert stats.messages > 2 * stats.workers  # chunks after each part's first
         for w in pool.workers:
-            into = list(w.chunk_costs.into)
-            if b.backend == "tcp":
-                assert into and all(0.0 < per_row < took for per_row in into), (w.url, into, took)
+            got = list(getattr(w.chunk_costs, samples))  # seconds a row, of chunks of 1-8 rows
+            if measured:
+                assert got and all(0.0 < per_row < took for per_row in got), (w.url, got, took)
             else:
-                assert not into
-                assert w.chunk_costs.front_growth(MAX_BATCH) == w.chunk_costs.ramp_growth(MAX_BATCH)
+                assert not got
+                assert getattr(w.chunk_costs, growth)(MAX_BATCH) == w.chunk_costs.ramp_growth(MAX_BATCH)
         monkeypatch.setattr(WorkerLink, "local", property(lambda self: False))
         for w in pool.workers:
-            w.chunk_costs.into.clear()
+            getattr(w.chunk_costs, samples).clear()
         y, _ = pool.forward(x)
         np.testing.assert_allclose(y, want, **TOL)
-        assert not any(w.chunk_costs.into for w in pool.workers)
+        assert not any(getattr(w.chunk_costs, samples) for w in pool.workers)
+        assert all(getattr(w.chunk_costs, growth)(MAX_BATCH) == w.chunk_costs.ramp_growth(MAX_BATCH)
+                   for w in pool.workers)
 
 
 def test_a_worker_is_local_by_its_url():
