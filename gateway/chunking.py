@@ -151,6 +151,12 @@ class ColdFilter:
         return got
 
 
+def _record_way(way: deque, seconds: float, rows: int) -> None:
+    """One chunk's time on a way (in or back), per row, from a large enough chunk."""
+    if 0.0 <= seconds < 1.0 and rows >= OUT_ROWS:  # else a clock from elsewhere, or a stall
+        way.append(seconds / rows)
+
+
 @dataclass
 class ChunkCosts:
     """What one worker costs, measured from its replies: the fixed cost of one message
@@ -239,11 +245,7 @@ class ChunkCosts:
         as measured (:attr:`into`): the worker's compute per row over the median way in per
         row, clamped to [2, EDGE]; :meth:`ramp_growth` until that was measured (always, for
         a worker that does not say when a chunk reached it)."""
-        c = self.seconds_per_row(rows)
-        u = statistics.median(self.into) if self.into else None
-        if not c or not u or rows <= 0:
-            return self.ramp_growth(rows)
-        return min(float(EDGE), max(2.0, c / u))
+        return self._growth_by(self.into, rows)
 
     def back_growth(self, rows: int) -> float:
         """:meth:`ramp_growth` for the ramp down to a part's last chunk: the chunk before the
@@ -253,11 +255,16 @@ class ChunkCosts:
         over tcp, 512-row edges grew to a 3665-row chunk before the last (growth EDGE): its
         reply took 12.6 ms to read and sum, the last chunk 9.3 ms to compute, and the round
         ended 4.4 ms after the worker's last reply."""
+        return self._growth_by(self.out, rows)
+
+    def _growth_by(self, way: deque, rows: int) -> float:
+        """Compute per row over the median of ``way``'s seconds per row, clamped to
+        [2, EDGE]; :meth:`ramp_growth` while ``way`` holds nothing."""
         c = self.seconds_per_row(rows)
-        b = statistics.median(self.out) if self.out else None
-        if not c or not b or rows <= 0:
+        u = statistics.median(way) if way else None
+        if not c or not u or rows <= 0:
             return self.ramp_growth(rows)
-        return min(float(EDGE), max(2.0, c / b))
+        return min(float(EDGE), max(2.0, c / u))
 
     def cold_reply(self, faults: int) -> bool:
         """Whether a reply whose worker took ``faults`` minor page faults since its last is
@@ -277,12 +284,10 @@ class ChunkCosts:
             self.gap.record(rows, seconds)
 
     def record_in(self, seconds: float, rows: int) -> None:
-        if 0.0 <= seconds < 1.0 and rows >= OUT_ROWS:  # else a clock from elsewhere, or a stall
-            self.into.append(seconds / rows)
+        _record_way(self.into, seconds, rows)
 
     def record_out(self, seconds: float, rows: int) -> None:
-        if 0.0 <= seconds < 1.0 and rows >= OUT_ROWS:  # else a clock from elsewhere, or a stall
-            self.out.append(seconds / rows)
+        _record_way(self.out, seconds, rows)
 
     def record_idle(self, seconds: float) -> None:
         """A round that sent this worker its part whole, alone in flight (with other rounds
