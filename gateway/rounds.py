@@ -519,6 +519,8 @@ class RoundBook:
                 elif why is not None:
                     self._part_failed(rnd, w_index, why)
                     break
+                elif c + 1 < n and w.conn is not None:
+                    w.conn.yield_to_peer()  # it reads this chunk while we gather the next
         rnd.stats.rows = sum(rnd.rows.values())
         rnd.stats.workers = len(rnd.rows)
 

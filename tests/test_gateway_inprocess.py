@@ -373,6 +373,37 @@ def test_each_workers_sizer_cuts_its_part():
             f.close()
 
 
+def test_a_worker_is_let_read_each_chunk_while_the_next_is_gathered():
+    """After each chunk but a part's last, the round asks the worker's connection to let its
+    reader run (Connection.yield_to_peer: over tcp to this machine the woken worker waited
+    on our CPU while we gathered the next chunk); a part sent whole asks nothing. Outputs
+    are unchanged."""
+    secret = secret_of_session()
+    fws = [FakeWorker([0, 1], d_model=D, secret=secret), FakeWorker([2, 3], d_model=D, secret=secret)]
+    router = Router(D, E, K, seed=3)
+    try:
+        for chunk_rows in (4, 0):
+            with WorkerPool([f.url for f in fws], router, max_batch_tokens=256, timeout=5, connect_timeout=5,
+                            secret=secret, chunk_rows=chunk_rows) as pool:
+                asked = {w.index: 0 for w in pool.workers}
+                for w in pool.workers:
+                    w.conn.yield_to_peer = lambda i=w.index: asked.__setitem__(i, asked[i] + 1)
+                before = [f.forwards for f in fws]
+                x = tokens(17)
+                out, st = pool.forward(x)
+                np.testing.assert_allclose(out, fake_layer_output(x, router.route(x)), rtol=1e-5)
+                sent = [f.forwards - b for f, b in zip(fws, before)]
+                assert sum(sent) == st.messages
+                if chunk_rows:
+                    assert all(n > 1 for n in sent), sent  # 17 tokens x top-2 over two workers, 4 rows a chunk
+                    assert [asked[i] for i in range(2)] == [n - 1 for n in sent]
+                else:
+                    assert sent == [1, 1] and asked == {0: 0, 1: 0}
+    finally:
+        for f in fws:
+            f.close()
+
+
 def test_a_request_that_fails_while_its_chunks_wait_costs_the_others_nothing(caplog):
     """A request fails on one worker while its round's chunks for another worker still wait
     in the backlog for credits, and is released (its input gone) before they go. They go

@@ -285,6 +285,12 @@ class Connection(abc.ABC):
         (any later send/recv also makes progress on it)."""
         return True
 
+    def yield_to_peer(self) -> None:
+        """Call after a send when more work of ours follows at once (a chunked round's next
+        gather): a peer on this machine that the send woke may be queued on our CPU, and
+        should read now rather than after our time slice. A no-op where a send cannot put
+        the reader there (shm and rdma wake it through an eventfd or a completion)."""
+
     def __enter__(self) -> "Connection":
         return self
 

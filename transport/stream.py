@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import ipaddress
+import os
 import select
 import socket
 import struct
@@ -72,6 +74,19 @@ _TIMEVAL = struct.Struct("ll")
 _SIOCOUTQNSD = 0x894B  # linux/sockios.h
 _monotonic = time.monotonic
 _pack = framing._packer.pack
+
+
+def peer_is_here(sock: socket.socket) -> bool:
+    """Whether the socket's peer is on this machine: a unix socket, or a loopback address.
+    (A peer in another network namespace here cannot be told from one elsewhere.)"""
+    if sock.family == socket.AF_UNIX:
+        return True
+    try:
+        ip = ipaddress.ip_address(sock.getpeername()[0])
+    except (OSError, ValueError, IndexError, TypeError):
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 (3.11 calls it not loopback)
+    return (mapped or ip).is_loopback
 
 
 def _set_timeo(sock: socket.socket, opt: int, t: float) -> float:
@@ -137,6 +152,7 @@ class StreamConnection(Connection):
         self._poll.register(self._fd, _POLLIN)
         self._empty = memoryview(b"")
         self._outq = bytearray(4)
+        self._peer_here = peer_is_here(sock)
 
     # -- receive: reading -------------------------------------------------------------
     def _read(self, flags: int) -> bool:
@@ -300,6 +316,15 @@ class StreamConnection(Connection):
 
     def wants_write(self) -> bool:
         return self._out is not None
+
+    def yield_to_peer(self) -> None:
+        # A socket write wakes its reader with a sync wake-up, and Linux queues a reader on
+        # this machine on the writer's CPU, expecting the writer to sleep. A gateway that goes
+        # on to gather the next chunk does not: over tcp here a worker read a round's first
+        # chunk up to 3.3 ms after it was written (0.34-0.9 ms on average), 0.07 ms when it
+        # was pinned to the other core
+        if self._peer_here:
+            os.sched_yield()
 
     def flush(self) -> bool:
         if self._state >= BROKEN:
