@@ -321,7 +321,7 @@ class StreamConnection(Connection):
         # A socket write wakes its reader with a sync wake-up, and Linux queues a reader on
         # this machine on the writer's CPU, expecting the writer to sleep. A gateway that goes
         # on to gather the next chunk does not: over tcp here a worker read a round's first
-        # chunk up to 3.3 ms after it was written (0.34-0.9 ms on average), 0.07 ms when it
+        # chunk up to 3.3 ms after it was written (0.34-0.96 ms on average), 0.07 ms when it
         # was pinned to the other core
         if self._peer_here:
             os.sched_yield()
