@@ -123,8 +123,7 @@ class ServeLoop:
         self._spins: list[Callable[[float], Optional[tuple[float, float]]]] = []
         self._soon: collections.deque = collections.deque()
         self._held: set = set()  # served connections with a non-empty outbox
-        self._writing: set = set()  # served connections watched for room to write (wants_write)
-        self._watching_write: set = set()  # watched objects also woken for room to write
+        self._writing: set = set()  # served connections and watched objects also woken for room to write
         self._stop = False
         self._closed = False
         self._next_sweep = 0.0
@@ -146,28 +145,28 @@ class ServeLoop:
         self._poller.register(obj, ("watch", on_ready))
 
     def unwatch(self, obj) -> None:
-        self._watching_write.discard(obj)
+        self._writing.discard(obj)
         self._poller.unregister(obj)
 
     def watch_write(self, obj, on: bool) -> None:
-        """While ``on``, a watched ``obj`` is also reported (its ``on_ready`` called) when
+        """While ``on``, a watched ``obj`` (or a served connection) is also reported when
         its kernel buffer has room: a large frame is written as the peer reads it, not at
         a timer's pace (32 MB over loopback tcp took 10-46 ms flushed from a 5 ms tick).
-        The handler tells the two apart itself (flush while it has bytes left, read
-        always: a read of nothing returns at once)."""
-        if on == (obj in self._watching_write):
+        A watched object's ``on_ready`` tells the two apart itself (flush while it has
+        bytes left, read always: a read of nothing returns at once)."""
+        if on == (obj in self._writing):
             return
         try:
             self._poller.modify(obj, write=on, read=True)
         except (KeyError, ValueError, OSError):
-            return  # not watched (being closed): nothing to wake for
+            return  # not registered (being closed): nothing to wake for
         if on:
-            self._watching_write.add(obj)
+            self._writing.add(obj)
         else:
-            self._watching_write.discard(obj)
+            self._writing.discard(obj)
 
     def watching_write(self, obj) -> bool:
-        return obj in self._watching_write
+        return obj in self._writing
 
     def add_tick(self, fn: Callable[[float], Optional[float]]) -> None:
         """``fn(now)`` runs every iteration and returns when it next wants to run
@@ -233,7 +232,7 @@ class ServeLoop:
                 conn.send(header, buffers, timeout=0)
                 if conn.wants_write():
                     self._held.add(conn)
-                    self._watch_write(conn, True)
+                    self.watch_write(conn, True)  # a large reply: written as the peer reads it
                 return True
             except (ConnectionClosed, ProtocolError) as e:
                 self.close_connection(conn, f"send failed: {e}")
@@ -285,21 +284,6 @@ class ServeLoop:
         """Give back buffers from :meth:`reply_buffer` that will not be sent."""
         _release(buffers)
 
-    def _watch_write(self, conn, on: bool) -> None:
-        """Wake for room in the kernel while ``conn`` has bytes of a reply left to write
-        (a large tcp reply is written as the peer reads it, not at the outbox's retry
-        pace); read only otherwise."""
-        if on == (conn in self._writing):
-            return
-        try:
-            self._poller.modify(conn, write=on, read=True)
-        except (KeyError, ValueError, OSError):
-            return  # not registered (closing): nothing to watch
-        if on:
-            self._writing.add(conn)
-        else:
-            self._writing.discard(conn)
-
     def _hold(self, served: _Served, header: Any, buffers: list) -> None:
         served.outbox.append((header, buffers, time.monotonic()))
         self.stats.held_replies += 1
@@ -335,7 +319,7 @@ class ServeLoop:
                     break
             if conn not in self._served:
                 continue
-            self._watch_write(conn, conn.wants_write())
+            self.watch_write(conn, conn.wants_write())
             if not box and not conn.wants_write():
                 self._held.discard(conn)
             elif box and now - box[0][2] > self.outbox_timeout:
