@@ -50,6 +50,11 @@ MAX_CHUNKS = 64  # auto's smallest size tried cuts a part in at most this many
 EDGE = 8  # a part's first and last chunks are at most 1/EDGE of the size, ramping up (see split_part)
 MIN_PIECE = 128  # rows below which cutting a group for a ramp's chunk costs more than it hides
 OUT_ROWS = 512  # replies from this many rows measure the way back per row (ChunkCosts.out)
+#: a chunk size's compute rate prices it (choose_chunks) only once this many of its replies
+#: were measured. A size's first chunked round is a start-up: at 4096 tokens over shm one
+#: measured 3-6% slower per row than the whole part and sent 7 of the next 8 rounds whole,
+#: until re-probes had moved its decayed mean back
+RATE_SAMPLES = 3
 
 ChunkSetting = Union[str, int]  # "auto", or a fixed size in rows (0: never chunk)
 
@@ -196,7 +201,7 @@ class ChunkCosts:
     # ramp's growth from the whole round's no-token time (8) had the second chunk land
     # 1-2 ms after the first was done (front_growth)
     into: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
-    per_row: dict = field(default_factory=dict)  # bucket -> [decayed seconds, decayed rows]
+    per_row: dict = field(default_factory=dict)  # bucket -> [decayed seconds, decayed rows, replies]
     # the worker's minor page faults per reply: a reply that wrote fresh memory (2 us a page
     # in a VM) measures that, not its compute or its gap, and a first probe's stalled gap
     # once priced messages so high that auto never chunked again (see cold_reply)
@@ -303,20 +308,22 @@ class ChunkCosts:
     def record_compute(self, rows: int, seconds: float) -> None:
         if rows <= 0 or seconds < 0:
             return
-        acc = self.per_row.setdefault(_bucket(rows), [0.0, 0.0])
+        acc = self.per_row.setdefault(_bucket(rows), [0.0, 0.0, 0])
         if acc[1] > 0:
             seconds = _clipped(seconds, rows * acc[0] / acc[1])
         acc[0] = DECAY * acc[0] + seconds
         acc[1] = DECAY * acc[1] + rows
+        acc[2] += 1
 
-    def seconds_per_row(self, rows: int) -> Optional[float]:
-        """Measured compute per row at this size, else at the nearest size measured."""
-        if not self.per_row:
+    def seconds_per_row(self, rows: int, samples: int = 1) -> Optional[float]:
+        """Measured compute per row at this size, else at the nearest size measured, of
+        the sizes with at least ``samples`` replies measured (None if none has)."""
+        got = [k for k, acc in self.per_row.items() if acc[2] >= samples and acc[1] > 0]
+        if not got:
             return None
         b = _bucket(rows)
-        near = min(self.per_row, key=lambda k: (abs(k - b), -k))
-        s, n = self.per_row[near]
-        return s / n if n > 0 else None
+        s, n, _ = self.per_row[min(got, key=lambda k: (abs(k - b), -k))]
+        return s / n
 
 
 def choose_chunks(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
@@ -332,11 +339,11 @@ def choose_chunks(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
     chunk's gather before the worker starts and the last one's sum after it ends, so the
     no-token time times (first + last) / (2 rows) -- 1/n for n equal chunks. The cost is n
     messages plus each chunk's rows times the extra compute per row measured at its size
-    (or the nearest size measured). A smaller edge exposes less and costs more messages (a
-    longer ramp) and slower small products: the measured costs decide. One message when
-    none saves more than MARGIN of the part's compute, or before the first rounds measured
-    it. With the part's ``groups``, the chunks are the ones :func:`split_part` makes of it,
-    else equal ones. ``price_compute=False``: as if every size computed at the whole part's
+    (or the nearest size measured), once RATE_SAMPLES replies measured it. A smaller edge
+    exposes less and costs more messages (a longer ramp) and slower small products: the
+    measured costs decide. One message when none saves more than MARGIN of the part's
+    compute, or before the first rounds measured it. With the part's ``groups``, the chunks
+    are the ones :func:`split_part` makes of it, else equal ones. ``price_compute=False``: as if every size computed at the whole part's
     rate (what :class:`ChunkSizer` re-probes)."""
     if rows <= 1:
         return max(rows, 0), max(rows, 0)
@@ -356,7 +363,7 @@ def choose_chunks(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
             return 0.0
         b = _bucket(n)
         if b not in spr:
-            spr[b] = max(0.0, (costs.seconds_per_row(n) or whole) - whole)
+            spr[b] = max(0.0, (costs.seconds_per_row(n, RATE_SAMPLES) or whole) - whole)
         return n * spr[b]
 
     best, best_net = (rows, rows), MARGIN * rows * whole

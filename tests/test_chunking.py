@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.chunking import MIN_CHUNK, ChunkCosts, choose_chunks, chunk_groups, parse_chunk_rows, part_bounds
+from gateway.chunking import (MIN_CHUNK, RATE_SAMPLES, ChunkCosts, choose_chunks, chunk_groups, parse_chunk_rows,
+                               part_bounds)
 from gateway.dispatch import DispatchPlan, SumBuffers
 from workers import bf16
 
@@ -34,14 +35,17 @@ def test_fixed_sizes():
     assert choose_chunks(0, 7, None)[0] == 0
 
 
-def _costs(msg_s, per_row: dict, idle_s=None) -> ChunkCosts:
+def _costs(msg_s, per_row: dict, idle_s=None, replies: int = RATE_SAMPLES) -> ChunkCosts:
+    """Costs measured: each size's rate from ``replies`` replies (by default enough to
+    price it)."""
     c = ChunkCosts()
     c.record_send(msg_s / 2)
     c.record_serve(msg_s / 2)
     if idle_s is not None:
         c.record_idle(idle_s)
-    for rows, spr in per_row.items():
-        c.record_compute(rows, rows * spr)
+    for _ in range(replies):
+        for rows, spr in per_row.items():
+            c.record_compute(rows, rows * spr)
     return c
 
 
@@ -81,6 +85,25 @@ def test_auto_avoids_sizes_measured_slower_per_row():
     # every smaller size slower: one message
     costs = _costs(1e-6, {1024: 1e-3, 32: 2e-3, 64: 2e-3, 128: 2e-3, 256: 2e-3, 512: 2e-3}, idle_s=0.2)
     assert choose_chunks(1024, "auto", costs)[0] == 1024
+
+
+def test_a_size_is_priced_by_its_compute_only_once_measured_enough():
+    """A chunk size's first replies are its start-up: until RATE_SAMPLES of them measured
+    it slow, the model prices it at the whole part's rate (and the whole-or-chunked choice
+    times the rounds); from then on its measured rate counts."""
+    rates = {1024: 1e-3, 32: 2e-3, 64: 2e-3, 128: 2e-3, 256: 2e-3, 512: 2e-3}
+    unpriced = choose_chunks(1024, "auto", _costs(1e-6, rates, idle_s=0.2), price_compute=False)[0]
+    got = [choose_chunks(1024, "auto", _costs(1e-6, rates, idle_s=0.2, replies=n))[0]
+           for n in range(1, RATE_SAMPLES + 2)]
+    assert unpriced < 1024 and got == [unpriced] * (RATE_SAMPLES - 1) + [1024, 1024]
+    # an unmeasured size takes the nearest one measured enough: here a slow 512 priced,
+    # 128 and 256 seen once each, so 256 is priced as 512 and 128 as the whole part
+    c = _costs(1e-6, {1024: 1e-3, 512: 2e-3}, idle_s=0.2)
+    for rows in (128, 256):
+        c.record_compute(rows, rows * 2e-3)
+    assert c.seconds_per_row(256, RATE_SAMPLES) == pytest.approx(2e-3)
+    assert c.seconds_per_row(128, RATE_SAMPLES) == pytest.approx(2e-3)  # 256's bucket is nearer than 1024's
+    assert c.seconds_per_row(128) == pytest.approx(2e-3) and c.seconds_per_row(64, 99) is None
 
 
 def _trapped() -> ChunkCosts:
