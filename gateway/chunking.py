@@ -596,8 +596,8 @@ class ChunkMode:
     would chunk (only those: a round too small to chunk costs more per row, and counting it
     on the whole side would flatter chunks), and those of them alone in flight are timed per
     row, whole and chunked. After WARMUP whole rounds, every other measurable round (none
-    other in flight when it goes) goes chunked until PROBES are measured; then chunks are
-    taken once the lower quartile of their last SAMPLES is cheaper than whole parts' by
+    other in flight when it goes) goes chunked until PROBES are measured, or SAMPLES when
+    that close a call (:meth:`close_call`); then chunks are taken once the lower quartile of their last SAMPLES is cheaper than whole parts' by
     MODE_MARGIN, and kept while it is not dearer (:meth:`favours_chunks`), the other way tried
     again one measurable round in PROBE_EVERY, and in twice as many after each probe that
     left the choice as it was (up to MAX_PROBE_EVERY: a settled choice stops paying for
@@ -630,6 +630,7 @@ class ChunkMode:
         self._faults = ColdFilter()  # the last rounds' minor page faults, both ways
         self._cold_run = {False: 0, True: 0}  # cold rounds in a row, each way
         self.cold = 0  # rounds left out as cold
+        self._decided = False  # the first probes are behind (they are never taken up again)
 
     def record(self, chunked: bool, seconds: float, rows: int, faults: Optional[int] = None) -> None:
         """One round's time for ``rows`` rows, whole or ``chunked``; ``faults``: the minor
@@ -646,11 +647,23 @@ class ChunkMode:
                 self._cold_run[chunked] = 0
         self.samples[chunked].append(seconds / rows)
         self.rounds += 1
+        probes = len(self.samples[True])
+        if len(self.samples[False]) >= WARMUP and probes >= PROBES and (probes >= SAMPLES or not self.close_call()):
+            self._decided = True
 
     @property
     def settled(self) -> bool:
         """Both ways measured: the warm-up and the first probes are behind."""
-        return len(self.samples[False]) >= WARMUP and len(self.samples[True]) >= PROBES
+        return self._decided
+
+    def close_call(self) -> bool:
+        """Whether chunked rounds measured within MODE_MARGIN of the margin itself: from
+        2*MODE_MARGIN cheaper per row than whole ones to as dear. Three probes' lower
+        quartile is their fastest: at 4096 tokens over shm, where chunked rounds run 2-5%
+        cheaper, three put them at 17.95 us a row against 17.45 whole and a run of moe-bench
+        moe kept parts whole. Such a call is made on SAMPLES of each way."""
+        c, w = self.per_row(True), self.per_row(False)
+        return c is not None and bool(w) and abs(c / w - (1 - MODE_MARGIN)) < MODE_MARGIN
 
     def per_row(self, chunked: bool) -> Optional[float]:
         """The lower quartile of the last SAMPLES rounds' seconds per row, that way."""
@@ -679,7 +692,7 @@ class ChunkMode:
         self.asked += 1
         if len(self.samples[False]) < WARMUP:
             return False
-        probing = len(self.samples[True]) < PROBES
+        probing = not self._decided
         better = not probing and self.favours_chunks()
         if not probing:
             self._way = better

@@ -735,16 +735,34 @@ def test_chunk_mode_keeps_chunks_a_few_percent_cheaper():
     """At 4096 tokens over shm with one worker, chunked rounds ran 2-8% cheaper per row than
     whole ones, and a 5% margin kept parts whole in three runs of six (moe-bench moe). Chunks
     3.6% cheaper are kept; 1% cheaper is within the noise, and parts stay whole."""
-    from gateway.chunking import MODE_MARGIN, WARMUP, ChunkMode
+    from gateway.chunking import MODE_MARGIN, PROBES, SAMPLES, WARMUP, ChunkMode
     whole = (14.05, 14.40, 13.90, 14.30, 14.60)[:WARMUP + 1]  # us a row; lower quartile 14.05
     for chunked, keep in (((13.55, 13.70, 13.62), True), ((13.95, 14.10, 13.98), False)):
         m = ChunkMode()
         for t in whole:
             m.record(False, t * 1e-6, 1)
-        for t in chunked:
-            m.record(True, t * 1e-6, 1)
+        for i in range(SAMPLES):  # a close call: made on SAMPLES probes, not PROBES
+            assert not m.settled and not m.want_chunks(measurable=False)
+            m.record(True, chunked[i % len(chunked)] * 1e-6, 1)
+            assert m.close_call()
+            if i + 1 == PROBES:  # three probes' lower quartile is the fastest of them
+                assert m.per_row(True) == min(chunked) * 1e-6
         assert m.settled and m.want_chunks(measurable=False) is keep
         assert (m.per_row(True) < m.per_row(False) * (1 - MODE_MARGIN)) is keep
+
+
+@pytest.mark.parametrize("chunked_us,keep", [(12.5, True), (14.3, False)], ids=["chunks-11%-cheaper", "chunks-2%-dearer"])
+def test_chunk_mode_settles_a_clear_call_on_its_first_probes(chunked_us, keep):
+    """Chunks well clear of the margin either way: PROBES probes decide, and the next
+    rounds go the chosen way."""
+    from gateway.chunking import PROBES, WARMUP, ChunkMode
+    m = ChunkMode()
+    for _ in range(WARMUP):
+        m.record(False, 14.0e-6, 1)
+    for i in range(PROBES):
+        assert not m.settled
+        m.record(True, (chunked_us + 0.1 * i) * 1e-6, 1)
+    assert m.settled and not m.close_call() and m.want_chunks(measurable=False) is keep
 
 
 def test_chunk_mode_keeps_chunks_until_they_are_dearer():
