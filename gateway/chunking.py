@@ -149,10 +149,17 @@ class ColdFilter:
     def __init__(self) -> None:
         self._recent: deque = deque(maxlen=SAMPLES)
 
+    def is_cold(self, faults: int) -> bool:
+        """Whether a sample that took ``faults`` is cold."""
+        return bool(self._recent) and faults > min(self._recent) + COLD_FAULTS
+
+    def remember(self, faults: int) -> None:
+        self._recent.append(faults)
+
     def cold(self, faults: int) -> bool:
         """Whether a sample that took ``faults`` is cold (and remember it)."""
-        got = bool(self._recent) and faults > min(self._recent) + COLD_FAULTS
-        self._recent.append(faults)
+        got = self.is_cold(faults)
+        self.remember(faults)
         return got
 
 

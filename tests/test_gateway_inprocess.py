@@ -339,6 +339,46 @@ def test_replies_that_faulted_in_fresh_memory_are_not_measured():
         fw.close()
 
 
+def test_compute_in_a_round_that_faulted_here_is_not_measured(monkeypatch):
+    """A round that wrote fresh memory in the gateway (a slot's pages touched for the first
+    time) slows its workers' compute beside it, though each reply says few faults of its
+    own: once the round's faults so far are COLD_FAULTS past the fewest of the last rounds',
+    its replies' compute rates are left out of the size model's. The next warm round's
+    count again; the messages' own costs are measured throughout."""
+    import gateway.rounds as R
+    from gateway.chunking import COLD_FAULTS
+    secret = secret_of_session()
+    fw = FakeWorker([0, 1, 2, 3], d_model=D, secret=secret)
+    pool = WorkerPool([fw.url], Router(D, E, K, seed=3), max_batch_tokens=256, timeout=5, connect_timeout=5,
+                      secret=secret, chunk_rows=3)
+    try:
+        costs = pool.workers[0].chunk_costs
+        rates, serves = [], []
+        record_compute, record_serve = costs.record_compute, costs.record_serve
+        costs.record_compute = lambda rows, s: (rates.append(rows), record_compute(rows, s))
+        costs.record_serve = lambda s: (serves.append(s), record_serve(s))
+        fw.fault_step = 1  # each reply: one fault of the worker's own
+        messages = sum(pool.forward(tokens(17, i))[1].messages for i in range(3))
+        assert len(rates) == len(serves) == messages > 6  # warm: all measured
+        rates.clear(), serves.clear()
+        real, extra = R.minor_faults, [0]
+
+        def faulting() -> int:  # the gateway faults 10 * COLD_FAULTS pages between any two looks
+            extra[0] += 10 * COLD_FAULTS
+            return real() + extra[0]
+
+        monkeypatch.setattr(R, "minor_faults", faulting)
+        y, st = pool.forward(tokens(17, 3))
+        np.testing.assert_allclose(y, fake_layer_output(tokens(17, 3), pool.router.route(tokens(17, 3))), rtol=1e-5)
+        assert rates == [] and len(serves) == st.messages
+        monkeypatch.setattr(R, "minor_faults", real)
+        _, st = pool.forward(tokens(17, 4))
+        assert len(rates) == st.messages and sum(rates) == 17 * K
+    finally:
+        pool.close()
+        fw.close()
+
+
 def test_each_workers_sizer_cuts_its_part():
     """A round asks each worker's ChunkSizer (gateway/chunking.py) for its part's chunk size,
     with the part's rows and the pool's setting, and cuts the part where it says; the
