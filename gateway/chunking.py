@@ -350,8 +350,9 @@ def choose_chunks(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
     exposes less and costs more messages (a longer ramp) and slower small products: the
     measured costs decide. One message when none saves more than MARGIN of the part's
     compute, or before the first rounds measured it. With the part's ``groups``, the chunks
-    are the ones :func:`split_part` makes of it, else equal ones. ``price_compute=False``: as if every size computed at the whole part's
-    rate (what :class:`ChunkSizer` re-probes)."""
+    are the ones :func:`split_part` makes of it, else equal ones. ``price_compute=False``:
+    as if every size computed at the whole part's rate (what :class:`ChunkSizer`
+    re-probes)."""
     if rows <= 1:
         return max(rows, 0), max(rows, 0)
     if setting != "auto":
@@ -604,17 +605,18 @@ class ChunkMode:
     on the whole side would flatter chunks), and those of them alone in flight are timed per
     row, whole and chunked. After WARMUP whole rounds, every other measurable round (none
     other in flight when it goes) goes chunked until PROBES are measured, or SAMPLES when
-    that close a call (:meth:`close_call`); then chunks are taken once the lower quartile of their last SAMPLES is cheaper than whole parts' by
-    MODE_MARGIN, and kept while it is not dearer (:meth:`favours_chunks`), the other way tried
-    again one measurable round in PROBE_EVERY, and in twice as many after each probe that
-    left the choice as it was (up to MAX_PROBE_EVERY: a settled choice stops paying for
-    probes; a flip starts over at PROBE_EVERY). Until both ways are measured a round that cannot be measured goes whole:
+    that close a call (:meth:`close_call`); then chunks are taken once the lower quartile of
+    their last SAMPLES is cheaper than whole parts' by MODE_MARGIN, and kept while it is not
+    dearer (:meth:`favours_chunks`), the other way tried again one measurable round in
+    PROBE_EVERY, and in twice as many after each probe that left the choice as it was (up to
+    MAX_PROBE_EVERY: a settled choice stops paying for probes; a flip starts over at
+    PROBE_EVERY). Until both ways are measured a round that cannot be measured goes whole:
     under load few rounds are alone, and probing with rounds nobody can time would chunk
-    half of them blind. A lower quartile, not a median: a stall only ever lengthens a
-    round, and the first rounds to write a slot's pages stall, here at 2-5x, whichever way
-    they went (a whole round after chunked ones writes the pages past the chunks). With a
-    median, two stalled probes of three kept parts whole at 8192 tokens over tcp in four
-    runs of five; one slow round, or two, still flips nothing.
+    half of them blind. A lower quartile, not a median: a stall only ever lengthens a round,
+    and the first rounds to write a slot's pages stall, here at 2-5x, whichever way they
+    went (a whole round after chunked ones writes the pages past the chunks). With a median,
+    two stalled probes of three kept parts whole at 8192 tokens over tcp in four runs of
+    five; one slow round, or two, still flips nothing.
 
     A round's time is not taken at all when it faulted in fresh memory: COLD_FAULTS minor
     page faults more than the fewest of the last SAMPLES rounds (both ways), counted in the

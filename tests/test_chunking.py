@@ -751,7 +751,8 @@ def test_chunk_mode_keeps_chunks_a_few_percent_cheaper():
         assert (m.per_row(True) < m.per_row(False) * (1 - MODE_MARGIN)) is keep
 
 
-@pytest.mark.parametrize("chunked_us,keep", [(12.5, True), (14.3, False)], ids=["chunks-11%-cheaper", "chunks-2%-dearer"])
+@pytest.mark.parametrize("chunked_us,keep", [(12.5, True), (14.3, False)],
+                         ids=["chunks-11%-cheaper", "chunks-2%-dearer"])
 def test_chunk_mode_settles_a_clear_call_on_its_first_probes(chunked_us, keep):
     """Chunks well clear of the margin either way: PROBES probes decide, and the next
     rounds go the chosen way."""

@@ -5,6 +5,7 @@ second (no processes, no signals)."""
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 import time
 
 import numpy as np
@@ -311,17 +312,27 @@ def test_connections_and_control_need_the_secret():
         s.close()
 
 
+@contextmanager
+def _chunking_pool():
+    """One fake worker with every expert, and a pool over it that cuts parts into chunks of 3 rows."""
+    secret = secret_of_session()
+    fw = FakeWorker([0, 1, 2, 3], d_model=D, secret=secret)
+    pool = WorkerPool([fw.url], Router(D, E, K, seed=3), max_batch_tokens=256, timeout=5, connect_timeout=5,
+                      secret=secret, chunk_rows=3)
+    try:
+        yield fw, pool
+    finally:
+        pool.close()
+        fw.close()
+
+
 def test_replies_that_faulted_in_fresh_memory_are_not_measured():
     """A reply whose worker says it took COLD_FAULTS page faults more than the fewest of its
     last SAMPLES replies measured memory being faulted in, not the worker: its compute, its
     time outside it and its gap are not recorded (gateway/chunking.py). A worker faulting
     that much on every reply is its steady state: after SAMPLES of them they count again."""
     from gateway.chunking import COLD_FAULTS, SAMPLES
-    secret = secret_of_session()
-    fw = FakeWorker([0, 1, 2, 3], d_model=D, secret=secret)
-    pool = WorkerPool([fw.url], Router(D, E, K, seed=3), max_batch_tokens=256, timeout=5, connect_timeout=5,
-                      secret=secret, chunk_rows=3)
-    try:
+    with _chunking_pool() as (fw, pool):
         costs = pool.workers[0].chunk_costs
         recorded = []
         record = costs.record_serve
@@ -334,9 +345,6 @@ def test_replies_that_faulted_in_fresh_memory_are_not_measured():
         _, st = pool.forward(tokens(17, 1))
         assert len(recorded) == st.messages - SAMPLES
         assert pool.workers[0].faults == fw.faults
-    finally:
-        pool.close()
-        fw.close()
 
 
 def test_compute_in_a_round_that_faulted_here_is_not_measured(monkeypatch):
@@ -347,11 +355,7 @@ def test_compute_in_a_round_that_faulted_here_is_not_measured(monkeypatch):
     count again; the messages' own costs are measured throughout."""
     import gateway.rounds as R
     from gateway.chunking import COLD_FAULTS
-    secret = secret_of_session()
-    fw = FakeWorker([0, 1, 2, 3], d_model=D, secret=secret)
-    pool = WorkerPool([fw.url], Router(D, E, K, seed=3), max_batch_tokens=256, timeout=5, connect_timeout=5,
-                      secret=secret, chunk_rows=3)
-    try:
+    with _chunking_pool() as (fw, pool):
         costs = pool.workers[0].chunk_costs
         rates, serves = [], []
         record_compute, record_serve = costs.record_compute, costs.record_serve
@@ -374,9 +378,6 @@ def test_compute_in_a_round_that_faulted_here_is_not_measured(monkeypatch):
         monkeypatch.setattr(R, "minor_faults", real)
         _, st = pool.forward(tokens(17, 4))
         assert len(rates) == st.messages and sum(rates) == 17 * K
-    finally:
-        pool.close()
-        fw.close()
 
 
 def test_each_workers_sizer_cuts_its_part():
