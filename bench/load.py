@@ -786,6 +786,10 @@ def _delta(before: dict, after: dict, wall: float) -> dict:
         out["failed_requests"] = after["failed_requests"] - before["failed_requests"]
         if "requests" in after and "requests" in before:  # forward passes the gateway took
             out["passes_per_round"] = (after["requests"] - before["requests"]) / rounds if rounds else None
+        if rounds and after.get("messages") is not None and before.get("messages") is not None:
+            out["messages_per_round"] = (after["messages"] - before["messages"]) / rounds
+        if after.get("chunk_costs") is not None:  # auto's choice at the segment's end
+            out["chunk_costs"] = after["chunk_costs"]
         out["gateway_dropped"] = after.get("dropped", 0) - before.get("dropped", 0)
         out["gateway_overflow"] = after.get("overflow", 0) - before.get("overflow", 0)
         out["transport_bytes"] = after["transport_bytes"] - before["transport_bytes"]

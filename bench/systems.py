@@ -135,7 +135,9 @@ class MoeTransport(System):
         g = p["gateway"]
         return {"cpu_s": cpu, "stage_s": dict(g["stage_seconds"]), "rounds": g["rounds"], "requests": g["requests"],
                 "failed_requests": g["failed_requests"], "dropped": g.get("dropped", 0),
-                "overflow": g.get("overflow", 0), "errors": dict(g["errors"]),
+                "overflow": g.get("overflow", 0), "errors": dict(g["errors"]), "messages": g.get("messages"),
+                # auto's whole-or-chunked choice as it stands (None with a fixed chunk size)
+                "chunk_costs": p.get("config", {}).get("chunk_costs"),
                 "expert_rows": _expert_rows(p.get("workers", [])),
                 "transport_bytes": sum(w.get("transport", {}).get("bytes_sent", 0)
                                        + w.get("transport", {}).get("bytes_received", 0)

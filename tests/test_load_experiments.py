@@ -142,6 +142,9 @@ def test_expert_sweep_for_real(tmp_path):
         assert len(gr["rows"]) == p["value"]
         # top-1, no capacity: the gateway dispatched exactly one row per token of the layer
         assert sum(gr["rows"]) == sum(r["tokens"] for r in t["records"])
+        for rec in t["records"]:  # each step: messages a round, and auto's choice at its end
+            assert 1 <= rec["messages_per_round"] <= 2  # parts whole, on one or both of the 2 workers
+            assert {"asked", "measured", "settled", "chunks_kept"} <= set(rec["chunk_costs"])
     table = [ln for ln in stdout.splitlines() if ln.startswith("| 4 |") or ln.startswith("| 8 |")]
     assert len(table) == 2, stdout
 
@@ -165,4 +168,6 @@ def test_batching_comparison_passes_the_routing_flags_through(tmp_path):
         (t,) = p["trials"]
         gr = t["gateway_routing"]  # the gateway's own counters: top-2 rows, less what it dropped
         assert sum(gr["rows"]) + gr["dropped"] == 2 * sum(rec["tokens"] for rec in t["records"])
+        # chunks of 5 rows: an 8-token prefill's 16 rows take more messages than workers
+        assert max(rec["messages_per_round"] for rec in t["records"]) > 2
     assert "**batching** (against fifo)" in stdout and "| expert-aware |" in stdout
