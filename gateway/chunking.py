@@ -359,6 +359,8 @@ def choose_chunks(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
         c = int(setting)
         c = rows if c <= 0 or c >= rows else c
         return c, c // EDGE
+    if rows < 2 * MIN_CHUNK:  # no size leaves two chunks: a decode step's part, most rounds
+        return rows, rows     # under load, where reading the costs took 20 us a call
     msg_s = costs.msg_s if costs is not None else None  # (medians of the sizes': read once)
     idle_s = costs.idle_s if costs is not None else None
     whole = costs.seconds_per_row(rows) if costs is not None else None

@@ -49,6 +49,19 @@ def _costs(msg_s, per_row: dict, idle_s=None, replies: int = RATE_SAMPLES) -> Ch
     return c
 
 
+def test_auto_reads_no_cost_for_a_part_too_small_to_cut():
+    """Below two chunks of MIN_CHUNK rows no size fits: one message, decided before any
+    cost is read (a decode step's part, most rounds under load, paid 20 us a call)."""
+    class Unread(ChunkCosts):
+        def __getattribute__(self, name):
+            raise AssertionError(f"read {name}")
+
+    for rows in (2, MIN_CHUNK, 2 * MIN_CHUNK - 1):
+        assert choose_chunks(rows, "auto", Unread()) == (rows, rows)
+    with pytest.raises(AssertionError, match="read"):
+        choose_chunks(2 * MIN_CHUNK, "auto", Unread())
+
+
 def test_auto_needs_measurements():
     assert choose_chunks(1024, "auto", None)[0] == 1024
     assert choose_chunks(1024, "auto", ChunkCosts())[0] == 1024
