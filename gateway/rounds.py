@@ -602,7 +602,9 @@ class RoundBook:
         st = rnd.stats
         st.messages += 1
         st.gather_s += t1 - t0
-        w.chunk_costs.record_send(time.perf_counter() - t1, rows)
+        t2 = time.perf_counter()
+        w.chunk_costs.record_send(t2 - t1, rows)
+        w.chunk_costs.record_gather(t2 - t0, rows)
         w.rows_sent += rows
         w.batches_sent += 1
         for g in groups:

@@ -520,6 +520,39 @@ def test_auto_with_groups_counts_split_messages_and_exposed_edges():
     assert choose_chunks(8192, "auto", _costs(10e-3, flat, 30e-3), groups)[0] == 8192  # dear ones: whole
 
 
+def test_auto_prices_the_edges_by_their_ways_measured_time_a_row():
+    """What a part's first and last chunks leave exposed is priced by each way's measured
+    time a row: in, the worker's clock where it says when a chunk reached it, else our
+    gather and send; back, from its reply to the rows summed. Until measured, half the
+    whole part's no-token time a row. Ways dearer than that make auto cut smaller edges
+    (over shm the way back measured 0.6-0.7 us a row against that half's 0.4, and 512-row
+    edges were chosen where 128-row ones left 0.4 ms less exposed), cheaper ones larger."""
+    from gateway.chunking import EDGE, OUT_ROWS, SAMPLES
+    groups = _groups([1024] * 8)
+    flat = {r: 18e-6 for r in (8192, 4096, 2048, 1024, 512, 256, 128, 64, 32)}
+    half = 30e-3 / (2 * 8192)
+
+    def measured(msg_s, way_s):
+        c = _costs(msg_s, flat, 30e-3)
+        assert c.edge_rates(8192) == (half, half)
+        for _ in range(SAMPLES):
+            c.record_gather(OUT_ROWS * way_s, OUT_ROWS)
+            c.record_out(OUT_ROWS * way_s, OUT_ROWS)
+        assert c.edge_rates(8192) == pytest.approx((way_s, way_s))
+        return c
+
+    assert choose_chunks(8192, "auto", _costs(1e-3, flat, 30e-3), groups) == (4096, 4096 // EDGE)
+    assert choose_chunks(8192, "auto", measured(1e-3, 4 * half), groups)[1] < 4096 // EDGE
+    assert choose_chunks(8192, "auto", _costs(0.4e-3, flat, 30e-3), groups) == (4096, 128)
+    assert choose_chunks(8192, "auto", measured(0.4e-3, half / 4), groups)[1] > 128
+    c = measured(1e-3, 4 * half)
+    c.record_in(OUT_ROWS * half / 2, OUT_ROWS)  # the worker's own clock, where it has one, first
+    assert c.edge_rates(8192) == pytest.approx((half / 2, 4 * half))
+    c.record_gather(1e-3, OUT_ROWS - 1)  # a small message: its fixed costs, not its rows
+    c.record_gather(5.0, 4096)  # a stall
+    assert list(c.gather) == pytest.approx([4 * half] * SAMPLES)
+
+
 def test_auto_keeps_edges_whose_small_products_run_slow():
     """A small edge exposes less, but its products (and its ramp's) may run slower per row:
     that compute is counted per chunk, at the rate measured at the chunk's size."""

@@ -380,6 +380,20 @@ def test_compute_in_a_round_that_faulted_here_is_not_measured(monkeypatch):
         assert len(rates) == st.messages and sum(rates) == 17 * K
 
 
+def test_every_message_measures_its_gather_and_send():
+    """Each message's gather and send, by its rows, goes to the worker's costs: with no
+    clock from the worker on a chunk's arrival, that is the way in the size model prices
+    a part's first chunk by (ChunkCosts.edge_rates)."""
+    with _chunking_pool() as (fw, pool):
+        costs = pool.workers[0].chunk_costs
+        got = []
+        record = costs.record_gather
+        costs.record_gather = lambda s, rows: (got.append((s, rows)), record(s, rows))
+        _, st = pool.forward(tokens(17))
+        assert len(got) == st.messages > 1
+        assert sum(rows for _, rows in got) == 17 * K and all(s > 0 for s, _ in got)
+
+
 def test_each_workers_sizer_cuts_its_part():
     """A round asks each worker's ChunkSizer (gateway/chunking.py) for its part's chunk size,
     with the part's rows and the pool's setting, and cuts the part where it says; the
