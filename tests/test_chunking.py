@@ -180,6 +180,8 @@ def test_sizer_takes_a_choice_made_ahead_once_for_rows_of_its_half_octave():
     assert sizer.choose(1100, "auto", costs) == (1100, 1100) and sizer.ahead_used == 2  # ... stays whole
     sizer.prepare(rows, "auto", costs)
     assert sizer.choose(1100, 256, costs) == choose_chunks(1100, 256, costs)  # a fixed size: as set
+    sizer.prepare(1100, 0, costs)  # a round at a fixed size between two on auto (a twin's) ...
+    assert sizer.choose(1100, "auto", dear) == want and sizer.ahead_used == 3  # ... leaves the choice
 
 
 def test_idle_time_is_the_least_of_recent_whole_rounds():
