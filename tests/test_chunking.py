@@ -69,6 +69,9 @@ def test_auto_needs_measurements():
     c.record_compute(1024, 0.1)  # a compute rate but no message cost nor idle time yet
     assert choose_chunks(1024, "auto", c)[0] == 1024
     assert choose_chunks(1024, "auto", _costs(50e-6, {1024: 1e-3}))[0] == 1024  # no idle time measured
+    # a worker never idle in a round sent whole (its clocks said so): nothing to hide
+    assert choose_chunks(1024, "auto", _costs(50e-6, {1024: 1e-3}, 0.0), _groups([128] * 8))[0] == 1024
+    assert choose_chunks(1024, "auto", _costs(50e-6, {1024: 1e-3}, 0.0))[0] == 1024
 
 
 def _net(c, rows, idle, msg, spr_c, whole):
