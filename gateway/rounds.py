@@ -503,27 +503,36 @@ class RoundBook:
                     r.acc = r.plan.accumulator(self.d_model, into=r.out, sums=self.sums)
 
     def _send(self, rnd: Round) -> None:
-        for w_index, rows in list(rnd.rows.items()):
+        """Send every worker its part, chunk by chunk across the workers: each worker's first
+        chunk, then each one's second, and so on. Worker by worker, the second worker's first
+        chunk waited for the first worker's whole part to be gathered (1 ms at 4096 rows over
+        shm here), the time it computes nothing; its later chunks land while it computes."""
+        n_of = {}
+        for w_index, rows in rnd.rows.items():
             w = self.workers[w_index]
-            n = len(rnd.bounds[w_index]) - 1
+            n = n_of[w_index] = len(rnd.bounds[w_index]) - 1
             rnd.outstanding.add(w_index)
             rnd.nchunks[w_index] = rnd.left[w_index] = n
             rnd.left_rows[w_index], rnd.sent[w_index] = rows, 0
             rnd.replies[w_index] = [None] * n
             w.outstanding_rows += rows
-            for c in range(n):
-                queue = self._backlog.get(w_index)
-                if queue:  # behind what waits already: messages to a worker keep their order
-                    queue.append((rnd, c))
-                    continue
-                why = self._send_chunk(rnd, w, c)
-                if why is _LATER:
-                    self._backlog.setdefault(w_index, deque()).append((rnd, c))
-                elif why is not None:
-                    self._part_failed(rnd, w_index, why)
-                    break
-                elif c + 1 < n and w.conn is not None:
-                    w.conn.yield_to_peer()  # it reads this chunk while we gather the next
+        order = [(w_index, c) for c in range(max(n_of.values(), default=0))
+                 for w_index, n in n_of.items() if c < n]
+        for i, (w_index, c) in enumerate(order):
+            if w_index not in rnd.outstanding:  # its part failed
+                continue
+            w = self.workers[w_index]
+            queue = self._backlog.get(w_index)
+            if queue:  # behind what waits already: messages to a worker keep their order
+                queue.append((rnd, c))
+                continue
+            why = self._send_chunk(rnd, w, c)
+            if why is _LATER:
+                self._backlog.setdefault(w_index, deque()).append((rnd, c))
+            elif why is not None:
+                self._part_failed(rnd, w_index, why)
+            elif i + 1 < len(order) and w.conn is not None:
+                w.conn.yield_to_peer()  # it reads this chunk while we gather the next
         rnd.stats.rows = sum(rnd.rows.values())
         rnd.stats.workers = len(rnd.rows)
 

@@ -428,11 +428,47 @@ def test_each_workers_sizer_cuts_its_part():
             f.close()
 
 
+def test_every_worker_gets_its_first_chunk_before_any_gets_its_second():
+    """A chunked round goes chunk by chunk across the workers: worker by worker, the second
+    worker's first chunk waited for the first worker's whole part to be gathered and sent,
+    time it computed nothing. Each worker's chunks still go in order, and outputs are
+    unchanged."""
+    secret = secret_of_session()
+    fws = [FakeWorker([0, 1], d_model=D, secret=secret), FakeWorker([2, 3], d_model=D, secret=secret)]
+    router = Router(D, E, K, seed=3)
+    try:
+        with WorkerPool([f.url for f in fws], router, max_batch_tokens=256, timeout=5, connect_timeout=5,
+                        secret=secret, chunk_rows=4) as pool:
+            book = pool.rounds
+            sends = []
+            real = book._send_chunk
+
+            def spy(rnd, w, c):
+                why = real(rnd, w, c)
+                if why is None:  # sent (not held back for credits)
+                    sends.append((w.index, c))
+                return why
+            book._send_chunk = spy
+            x = tokens(33)
+            out, st = pool.forward(x)
+            np.testing.assert_allclose(out, fake_layer_output(x, router.route(x)), rtol=1e-5)
+            assert len(sends) == st.messages
+            per = {i: [c for w, c in sends if w == i] for i in range(2)}
+            assert all(len(cs) > 2 for cs in per.values()), per  # 33 tokens x top-2 over two workers
+            assert all(cs == sorted(cs) == list(range(len(cs))) for cs in per.values()), per
+            seconds = [k for k, (w, c) in enumerate(sends) if c == 1]
+            firsts = [k for k, (w, c) in enumerate(sends) if c == 0]
+            assert max(firsts) < min(seconds), sends
+    finally:
+        for f in fws:
+            f.close()
+
+
 def test_a_worker_is_let_read_each_chunk_while_the_next_is_gathered():
-    """After each chunk but a part's last, the round asks the worker's connection to let its
-    reader run (Connection.yield_to_peer: over tcp to this machine the woken worker waited
-    on our CPU while we gathered the next chunk); a part sent whole asks nothing. Outputs
-    are unchanged."""
+    """After each message but a round's last, the round asks the worker's connection to let
+    its reader run (Connection.yield_to_peer: over tcp to this machine the woken worker
+    waited on our CPU while we gathered the next chunk); after the last it waits for
+    replies and asks nothing. Outputs are unchanged."""
     secret = secret_of_session()
     fws = [FakeWorker([0, 1], d_model=D, secret=secret), FakeWorker([2, 3], d_model=D, secret=secret)]
     router = Router(D, E, K, seed=3)
@@ -451,9 +487,12 @@ def test_a_worker_is_let_read_each_chunk_while_the_next_is_gathered():
                 assert sum(sent) == st.messages
                 if chunk_rows:
                     assert all(n > 1 for n in sent), sent  # 17 tokens x top-2 over two workers, 4 rows a chunk
-                    assert [asked[i] for i in range(2)] == [n - 1 for n in sent]
                 else:
-                    assert sent == [1, 1] and asked == {0: 0, 1: 0}
+                    assert sent == [1, 1]
+                # chunk by chunk across the workers: the last message goes to the one with the
+                # most chunks (the later one on a tie)
+                last = max(range(2), key=lambda i: (sent[i], i))
+                assert [asked[i] for i in range(2)] == [n - (i == last) for i, n in enumerate(sent)]
     finally:
         for f in fws:
             f.close()
