@@ -4,11 +4,12 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway import dispatch
 from gateway.dispatch import DispatchPlan
+from workers import bf16
 
 REQUIRED = os.environ.get("MOE_REQUIRE_NATIVE") == "1"
 needs_native = pytest.mark.skipif(not dispatch.NATIVE_COMBINE and not REQUIRED,
@@ -157,6 +158,7 @@ def test_bf16_replies_combine_to_numpys_bits(seed, T, k, W, d, drop, representat
 @SETTINGS
 @given(seed=st.integers(0, 2**32 - 1), T=st.integers(1, 40), k=st.integers(1, 3), W=st.integers(1, 2),
        cuts=st.lists(st.integers(1, 7), min_size=1, max_size=6), representation=st.sampled_from(REPRESENTATIONS))
+@example(seed=1, T=35, k=3, W=2, cuts=[1], representation="uint16")  # three contributions, in another order
 def test_bf16_chunks_summed_as_they_land_give_numpys_bits(seed, T, k, W, cuts, representation):
     rng = np.random.default_rng(seed)
     d = 5
@@ -172,8 +174,21 @@ def test_bf16_chunks_summed_as_they_land_give_numpys_bits(seed, T, k, W, cuts, r
     reference_sum, reference = numpys(summed)
     # the float32 sums (rounding to bf16 would hide a last-bit difference in them), then bf16
     assert native_sum.tobytes() == reference_sum.tobytes() and native.tobytes() == reference.tobytes()
-    # and the sum in chunks is the combine sent whole, bit for bit (one float32 sum, rounded once)
-    assert native.tobytes() == plan.combine(ys, np.empty((T, d), ys[0].dtype)).tobytes()
+    # and the sum in chunks is the combine sent whole (one float32 sum, rounded once). Bit for
+    # bit while a token has at most two contributions (a + b == b + a). With three, the whole
+    # combine adds them slot by slot and chunks as they land: (a + b) + c against (c + a) + b
+    # can differ in float32's last bit, which rounding can carry into bf16's (hypothesis
+    # found seed=1, T=35, k=3, W=2, cuts=[1]): one bf16 step at most
+    whole = plan.combine(ys, np.empty((T, d), ys[0].dtype))
+    if k <= 2:
+        assert native.tobytes() == whole.tobytes()
+    else:
+        a, b = bf16.to_float32(native), bf16.to_float32(whole)
+        same = (bf16.bits(native) == bf16.bits(whole)) | (np.isnan(a) & np.isnan(b))  # (which NaN: the order's)
+        with np.errstate(invalid="ignore"):
+            step = np.spacing(np.maximum(np.abs(a), np.abs(b))) * 2.0 ** 16  # bf16 keeps float32's top 16 bits
+            near = np.isfinite(a) & np.isfinite(b) & (np.abs(a - b) <= step)
+        assert np.all(same | near)
 
 
 @needs_native
