@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gateway.chunking import (MIN_CHUNK, RATE_SAMPLES, ChunkCosts, choose_chunks, chunk_groups, parse_chunk_rows,
@@ -323,10 +323,13 @@ def test_part_bounds_cut_between_groups(counts, size):
 
 @settings(max_examples=300, deadline=None)
 @given(counts=st.lists(st.integers(1, 600), min_size=1, max_size=12), size=st.integers(1, 2048))
+@example(counts=[64, 576], size=576)  # the front ramp cuts into part_bounds' last chunk
 def test_split_part_ramps_between_part_bounds(counts, size):
     """Chunks tile the part in at most ``size`` rows; a part part_bounds leaves whole stays
-    whole; the first and last chunks are cut to the edge (1/EDGE of the size), or left as
-    part_bounds made them where no cut can go; a cut
+    whole; the first and last chunks are cut to the edge (1/EDGE of the size), or where no
+    cut can go, are no longer than part_bounds made them (the last one shorter, where the
+    front ramp cut into it: [64, 576] at 576 rows goes as 64, 128 and 448 rows, its edge of
+    72 rows too small to cut inside a group); a cut
     inside a group is part_bounds' own (a long group's equal pieces) or keeps MIN_PIECE rows
     on both sides of it."""
     from gateway.chunking import EDGE, MIN_PIECE, split_part
@@ -341,7 +344,7 @@ def test_split_part_ramps_between_part_bounds(counts, size):
         return
     edge = size // EDGE
     assert b[1] <= edge or b[1] == base[1]
-    assert rows - b[-2] <= edge or b[-2] == base[-2]
+    assert rows - b[-2] <= edge or b[-2] >= base[-2]
     starts = {g[1] for g in groups}
     for cut in set(b[1:-1]) - set(base) - starts:
         g = next(g for g in groups if g[1] < cut < g[1] + g[2])
