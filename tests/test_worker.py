@@ -176,8 +176,14 @@ def test_hot_update_double_buffer_pin_and_retire(worker, tmp_path):
         v0 = SwiGLUExpert.from_seed(5, D, F, seed=SEED)(x)
         v1 = SwiGLUExpert.from_seed(5, D, F, seed=SEED + 100)(x)
         h = _load(conn, 10, 5, 1, seed=SEED + 100)
-        assert h == {"op": P.LOADED, "id": 10, "expert": 5, "version": 1}
-        assert _load(conn, 11, 5, 1, seed=SEED + 100)["op"] == P.LOADED  # idempotent
+        fp0 = SwiGLUExpert.from_seed(5, D, F, seed=SEED).fingerprint
+        fp1 = SwiGLUExpert.from_seed(5, D, F, seed=SEED + 100).fingerprint
+        assert fp0 != fp1
+        assert h == {"op": P.LOADED, "id": 10, "expert": 5, "version": 1, "fingerprint": fp1,
+                     "source": {"seed": SEED + 100}}
+        assert _load(conn, 11, 5, 1, seed=SEED + 100)["fingerprint"] == fp1  # idempotent
+        page, nxt = P.parse_weights_page(_op(conn, P.request(P.WEIGHTS, 29)), 100)
+        assert nxt is None and (0, 5, 0, fp0, {"seed": SEED}) in page and (0, 5, 1, fp1, {"seed": SEED + 100}) in page
         info = _op(conn, P.request(P.INFO, 12))
         assert [5, 0, [0, 1]] in info["versions"]
         y, h = _forward(conn, 13, x, [[5, 0, 12, 1]])
@@ -201,7 +207,8 @@ def test_hot_update_double_buffer_pin_and_retire(worker, tmp_path):
         # a version from an .npz file, then back to weights equal to version 0's
         path = s.update_dir / "e5.npz"  # new weights are read only from the worker's --update-dir
         SwiGLUExpert.save_many(path, [SwiGLUExpert.from_seed(5, D, F, seed=SEED, version=9)])
-        assert _load(conn, 21, 5, 2, weights=str(path))["op"] == P.LOADED
+        h = _load(conn, 21, 5, 2, weights=str(path))
+        assert h["fingerprint"] == fp0 and h["source"] == {"weights": str(path)}  # the same weights: one identity
         assert _op(conn, P.request(P.RETIRE, 22, expert=5, version=1))["active"] == 2
         y, _ = _forward(conn, 23, x, [[5, 0, 12]])
         np.testing.assert_allclose(y, v0, rtol=1e-5, atol=1e-6)

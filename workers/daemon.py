@@ -266,6 +266,11 @@ class WorkerDaemon:
             msg.release()
             if op == P.PING:
                 self.loop.send(conn, self.pong(rid))
+            elif op == P.WEIGHTS:
+                start = header.get("start", 0)
+                if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+                    raise P.RequestError(P.BAD_REQUEST, f"weights needs an integer start >= 0, got {start!r}")
+                self.loop.send(conn, P.weights_page(self.versions.weights(), start, rid))
             elif op in (P.LOAD, P.RETIRE):
                 if not conn.authenticated:
                     raise P.RequestError(P.UNAUTHORIZED, f"{op} is a control operation: it needs a connection "

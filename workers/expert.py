@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Iterable
+from typing import Iterable, Optional
 
 import numpy as np
+
+from workers.fingerprint import weights_fingerprint
 
 __all__ = ["SwiGLUExpert", "npz_expert_ids"]
 
@@ -82,7 +84,18 @@ class SwiGLUExpert:
         self.w_gate = w_gate
         self.w_up = w_up
         self.w_down = w_down
+        # where the weights came from, as a hot-update load names it ({"seed": 7},
+        # {"weights": path}): the gateway re-creates a version on a returning worker from it
+        self.source: Optional[dict] = None
+        self._fingerprint: Optional[str] = None
         self._alloc_scratch(int(max_tokens))
+
+    @property
+    def fingerprint(self) -> str:
+        """The weights' identity (workers/fingerprint.py), computed once."""
+        if self._fingerprint is None:
+            self._fingerprint = weights_fingerprint((self.w_gate, self.w_up, self.w_down))
+        return self._fingerprint
 
     # -- construction -------------------------------------------------------
 
@@ -110,8 +123,9 @@ class SwiGLUExpert:
         w_gate = (rng.standard_normal((d_model, d_ff)) / np.sqrt(d_model)).astype(dt)
         w_up = (rng.standard_normal((d_model, d_ff)) / np.sqrt(d_model)).astype(dt)
         w_down = (rng.standard_normal((d_ff, d_model)) / np.sqrt(d_ff)).astype(dt)
-        return cls(w_gate, w_up, w_down, expert_id=expert_id, version=version,
-                   max_tokens=max_tokens, dtype=dt)
+        ex = cls(w_gate, w_up, w_down, expert_id=expert_id, version=version, max_tokens=max_tokens, dtype=dt)
+        ex.source = {"seed": int(seed)}
+        return ex
 
     @classmethod
     def from_npz(
@@ -132,7 +146,9 @@ class SwiGLUExpert:
                                  f"(missing {missing}); experts in file: {ids}")
             ws = [npz[prefix + k] for k in _WEIGHTS]
             version = int(npz[prefix + "version"]) if prefix + "version" in npz.files else 0
-        return cls(*ws, expert_id=expert_id, version=version, max_tokens=max_tokens, dtype=dtype)
+        ex = cls(*ws, expert_id=expert_id, version=version, max_tokens=max_tokens, dtype=dtype)
+        ex.source = {"weights": os.fspath(path)}
+        return ex
 
     def save_npz(self, path: str | os.PathLike) -> None:
         """Write this expert alone to `path` (see `save_many` for several)."""

@@ -52,6 +52,8 @@ class KernelExpert:
     wire: np.dtype  # activations in and out (numpy representation, bf16 via workers.bf16)
     version: int = 0
     scratch: Optional[Scratch] = None  # shared with the worker's other kernels
+    fingerprint: Optional[str] = None  # of the weights as their source holds them (workers/fingerprint.py)
+    source: Optional[dict] = None  # where they came from, as a load names it ({"seed": 7}, ...)
 
     @property
     def d_model(self) -> int:
@@ -128,10 +130,12 @@ def checkpoint_experts(path: str, layers: Optional[Iterable[int]], ids: Optional
         if bad:
             raise ValueError(f"layer {L} has expert ids 0..{spec.n_ids - 1} ({spec.n_experts} routed + "
                              f"{spec.n_shared} shared pieces), not {bad}")
-        for e, k in load_expert_kernels(ckpt, spec, want, kind=kind, dtype=cdt, max_tokens=max_tokens,
-                                        threads=threads, scratch=scratch).items():
-            experts[(L, e)] = KernelExpert(k, e, L, wdt, scratch=scratch)
         fps[L] = layer_fingerprint(ckpt, spec)
+        source = {"checkpoint": ckpt.path, "fingerprint": fps[L]}
+        weights: dict = {}
+        for e, k in load_expert_kernels(ckpt, spec, want, kind=kind, dtype=cdt, max_tokens=max_tokens,
+                                        threads=threads, scratch=scratch, fingerprints=weights).items():
+            experts[(L, e)] = KernelExpert(k, e, L, wdt, scratch=scratch, fingerprint=weights[e], source=source)
     return Served(experts, fps, checkpoint_fingerprint(ckpt), ckpt.path)
 
 
@@ -163,7 +167,8 @@ def _wrap(ex: Any, kind: str, wire: str, max_tokens: int, threads: Optional[int]
     """A SwiGLUExpert's weights ((d_model, d_ff) orientation) in a kernel ((d_ff, d_model))."""
     k = make_kernel(kind, ex.w_gate.T, ex.w_up.T, ex.w_down.T, dtype=compute_dtype(kind, wire),
                     max_tokens=max_tokens, threads=threads, scratch=scratch)
-    return KernelExpert(k, ex.expert_id, layer, bf16.wire_dtype(wire), ex.version, scratch)
+    return KernelExpert(k, ex.expert_id, layer, bf16.wire_dtype(wire), ex.version, scratch,
+                        fingerprint=ex.fingerprint, source=ex.source)
 
 
 # -- hot-update versions ---------------------------------------------------------------------
@@ -189,6 +194,7 @@ def build_version(req: Any, path: Optional[str], ref: Any, *, max_tokens: int) -
         if (ex.d_model, ex.d_ff) != (ref.d_model, ref.d_ff):
             raise ValueError(f"weights are ({ex.d_model}, {ex.d_ff}), this worker serves "
                              f"({ref.d_model}, {ref.d_ff})")
+        ex.source = {"weights": req.weights} if path is not None else {"seed": req.seed}
         if as_kernel:
             ex = _wrap(ex, ref.kernel.kind, wire, max_tokens, None, ref.scratch, layer=ref.layer)
     ex.version = req.version
@@ -212,9 +218,14 @@ def _from_checkpoint(req: Any, path: Optional[str], ref: Any, max_tokens: int) -
     if spec.d_model != ref.d_model or spec.expert_d_ff(req.expert) != ref.d_ff:
         raise ValueError(f"layer {req.layer} expert {req.expert} of {ckpt.path} is ({spec.d_model}, "
                          f"{spec.expert_d_ff(req.expert)}), this worker serves ({ref.d_model}, {ref.d_ff})")
+    weights: dict = {}
     k = load_expert_kernels(ckpt, spec, [req.expert], kind=ref.kernel.kind, dtype=ref.kernel.describe()["dtype"],
-                            max_tokens=max_tokens, threads=None, scratch=ref.scratch)[req.expert]
-    return KernelExpert(k, req.expert, req.layer, ref.wire, req.version, ref.scratch)
+                            max_tokens=max_tokens, threads=None, scratch=ref.scratch, fingerprints=weights)[req.expert]
+    source = {"checkpoint": req.checkpoint}
+    if req.fingerprint is not None:
+        source["fingerprint"] = req.fingerprint
+    return KernelExpert(k, req.expert, req.layer, ref.wire, req.version, ref.scratch,
+                        fingerprint=weights[req.expert], source=source)
 
 
 def layer_table(experts: Mapping) -> dict:

@@ -20,6 +20,7 @@ Requests and their replies::
     load     {op, id, expert, version, layer?, weights | seed | checkpoint, fingerprint?}
                                                     -> loaded  {id, expert, version, layer?}
     retire   {op, id, expert, version, layer?}      -> retired {id, expert, version, active, layer?}
+    weights  {op, id, start?}                       -> weights {id, entries, sources, next}
     update   {op, id, action, ...}  (gateway only)  -> update  {id, status}
     any bad request                                 -> error {id, code, message}
 
@@ -42,6 +43,14 @@ and way in (gateway/chunking.py, ChunkCosts). ``flt`` is the minor page faults t
 taken so far (a count that only grows while it runs): the gateway takes the difference
 between two replies to tell a round that wrote fresh memory, whose time is a start-up cost,
 from the steady state (gateway/chunking.py, ChunkMode).
+Weights identity: every version a worker holds has a fingerprint (workers/fingerprint.py: a
+hash of its weights as their source holds them) and a source, the fields a ``load`` would
+name to re-create it ({"seed": 7}, {"weights": path}, {"checkpoint": dir, "fingerprint":
+the layer's}). ``loaded`` carries both for the version it loaded; ``weights`` lists them for
+every held version, a page at a time (``entries`` [[layer, expert, version, fingerprint,
+source index], ...] into the page's ``sources``; ``next``: the ``start`` of the next page,
+or None), so a gateway can tell a returning worker's weights from the ones it serves
+(gateway/served.py) however many experts and layers the worker holds.
 Header values are plain ints, floats, strings and lists (no int-keyed maps), so any
 msgpack implementation on any backend decodes them alike.
 
@@ -81,7 +90,8 @@ LOADED = "loaded"
 RETIRE = "retire"
 RETIRED = "retired"
 UPDATE = "update"
-REQUEST_OPS = (INFO, PING, FORWARD, LOAD, RETIRE)
+WEIGHTS = "weights"
+REQUEST_OPS = (INFO, PING, FORWARD, LOAD, RETIRE, WEIGHTS)
 
 # error codes (the ``code`` field of an error reply)
 BAD_REQUEST = "bad_request"  # not a map, no op, bad id, unknown op
@@ -101,6 +111,10 @@ INTERNAL = "internal"
 DTYPES = ("float32", "float64", "float16", bf16.BF16_NAME)
 DEFAULT_LAYER = 0  # the layer of a request that names none (the demo mode's one layer)
 MAX_GROUPS = 8192  # bounds the header (the transport caps headers at 64 KiB)
+MAX_VERSIONS = 2  # versions a worker holds per expert: the active one and one being rolled out
+WEIGHTS_PAGE_BYTES = 32 << 10  # a weights page's entries and sources, roughly (headers cap at 64 KiB)
+MAX_SOURCE_PATH = 4096  # the longest path a weights source may name
+SOURCE_KINDS = ("seed", "weights", "checkpoint")
 
 
 class RequestError(Exception):
@@ -342,3 +356,75 @@ def parse_retire(header: dict, layers: Any) -> tuple[int, int, int]:
     """(expert, version, layer) of a retire request."""
     layer, e = _layer_expert(header, layers)
     return e, _int_field(header, "version"), layer
+
+
+# -- weights identity ------------------------------------------------------------
+
+def weights_entry(layer: int, expert: int, version: int, fingerprint: str, source: Optional[dict]) -> list:
+    return [int(layer), int(expert), int(version), str(fingerprint), source]
+
+
+def check_source(source: Any) -> dict:
+    """A weights source as a load names it, or RequestError: exactly one of ``seed`` (an
+    int >= 0), ``weights`` (an .npz path) or ``checkpoint`` (a directory, with the layer's
+    ``fingerprint`` the gateway read, optional)."""
+    if not isinstance(source, dict) or not source:
+        raise RequestError(BAD_REQUEST, f"a weights source is a map, got {source!r:.80}")
+    kinds = [k for k in SOURCE_KINDS if k in source]
+    extra = set(source) - set(SOURCE_KINDS) - {"fingerprint"}
+    if len(kinds) != 1 or extra or ("fingerprint" in source and kinds != ["checkpoint"]):
+        raise RequestError(BAD_REQUEST, f"a weights source names exactly one of {list(SOURCE_KINDS)} "
+                                        f"(a checkpoint may add its fingerprint), got {sorted(source)}")
+    v = source[kinds[0]]
+    if kinds[0] == "seed":
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise RequestError(BAD_REQUEST, f"seed must be an integer >= 0, got {v!r}")
+    elif not (isinstance(v, str) and 0 < len(v) <= MAX_SOURCE_PATH and "\0" not in v):
+        raise RequestError(BAD_REQUEST, f"{kinds[0]} must be a path of at most {MAX_SOURCE_PATH} characters")
+    fp = source.get("fingerprint")
+    if fp is not None and not (isinstance(fp, str) and 0 < len(fp) <= 128):
+        raise RequestError(BAD_REQUEST, f"fingerprint must be a string, got {fp!r:.80}")
+    return dict(source)
+
+
+def weights_page(entries: Sequence[list], start: int, request_id: Optional[int]) -> dict:
+    """The ``weights`` reply holding ``entries[start:]`` up to about WEIGHTS_PAGE_BYTES."""
+    out, sources, index = [], [], {}
+    size, i = 0, start
+    while i < len(entries) and size < WEIGHTS_PAGE_BYTES:
+        L, e, v, fp, src = entries[i]
+        key = repr(sorted((src or {}).items()))
+        if key not in index:
+            index[key] = len(sources)
+            sources.append(src)
+            size += len(key)
+        out.append([L, e, v, fp, index[key]])
+        size += 32 + len(fp)
+        i += 1
+    return {"op": WEIGHTS, "id": request_id, "entries": out, "sources": sources,
+            "next": i if i < len(entries) else None}
+
+
+def parse_weights_page(h: Any, limit: int) -> tuple[list, Optional[int]]:
+    """(entries [(layer, expert, version, fingerprint, source or None)], next start) of a
+    ``weights`` reply, or ValueError. ``limit``: the most entries this page may hold."""
+    if not isinstance(h, dict) or h.get("op") != WEIGHTS:
+        raise ValueError(f"expected a weights reply, got {str(h)[:120]}")
+    entries, sources, nxt = h.get("entries"), h.get("sources"), h.get("next")
+    if not isinstance(entries, list) or not isinstance(sources, list) or len(entries) > limit \
+            or len(sources) > len(entries) or not (nxt is None or (isinstance(nxt, int) and nxt > 0)):
+        raise ValueError("malformed weights reply")
+    srcs = []
+    for src in sources:
+        try:
+            srcs.append(None if src is None else check_source(src))
+        except RequestError as e:
+            raise ValueError(f"weights reply: {e.message}") from None
+    out = []
+    for ent in entries:
+        if not (isinstance(ent, list) and len(ent) == 5 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                 and v >= 0 for v in (ent[0], ent[1], ent[2], ent[4]))
+                and isinstance(ent[3], str) and 0 < len(ent[3]) <= 128 and ent[4] < len(srcs)):
+            raise ValueError(f"malformed weights entry {str(ent)[:120]}")
+        out.append((ent[0], ent[1], ent[2], ent[3], srcs[ent[4]]))
+    return out, nxt

@@ -13,8 +13,8 @@ any time, to exercise the gateway's failure handling without processes and signa
 ``fail``         answer forwards with an ``internal`` error
 ``crash()``      close every connection at once, stop listening (a killed worker)
 
-``load`` (seed only: the seed is ignored, the version sets the scale) and ``retire`` work as
-on a real worker, so hot updates run against it.
+``load`` (seed only: the seed is ignored, the version sets the scale), ``retire`` and
+``weights`` work as on a real worker, so hot updates and admission run against it.
 """
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ from workers import protocol as P
 
 def scale(expert: int, version: int = 0) -> float:
     return float(expert + 1 + 10 * version)
+
+
+def fingerprint(expert: int, version: int) -> str:
+    """The fake weights' identity: their scale (what a real worker's hash stands for)."""
+    return f"fake-scale-{scale(expert, version):g}"
 
 
 class FakeWorker:
@@ -112,10 +117,15 @@ class FakeWorker:
         elif op == P.PING:
             self.loop.send(conn, {"op": P.PONG, "id": rid, "experts": self.experts, "versions": self._versions(),
                                   "in_flight": 0, "draining": False, "counters": {}, "cpu_s": 0.0, "pid": 0})
+        elif op == P.WEIGHTS:
+            entries = [P.weights_entry(0, e, v, fingerprint(e, v), {"seed": v})
+                       for e in self.experts for v in sorted(self.held[e])]
+            self.loop.send(conn, P.weights_page(entries, h.get("start", 0), rid))
         elif op == P.LOAD:
             e, v = h["expert"], h["version"]
             self.held[e].add(v)
-            self.loop.send(conn, {"op": P.LOADED, "id": rid, "expert": e, "version": v})
+            self.loop.send(conn, {"op": P.LOADED, "id": rid, "expert": e, "version": v,
+                                  "fingerprint": fingerprint(e, v), "source": {"seed": v}})
         elif op == P.RETIRE:
             e, v = h["expert"], h["version"]
             self.held[e].discard(v)

@@ -27,7 +27,7 @@ from workers.loading import build_version
 
 log = logging.getLogger("moe.worker")
 
-MAX_VERSIONS = 2  # versions held per expert: the active one and one being rolled out
+MAX_VERSIONS = P.MAX_VERSIONS
 
 
 class Versions:
@@ -36,6 +36,8 @@ class Versions:
                  reply: Callable[[Any, dict], None]) -> None:
         self.active = dict(experts)  # (layer, expert id) -> the active version
         self.held = {k: {ex.version: ex} for k, ex in self.active.items()}  # (layer, id) -> version -> expert
+        for ex in self.active.values():
+            ex.fingerprint  # noqa: B018  (hashed once at start: info must answer at once)
         self.max_tokens = max_tokens
         self.dtype = dtype
         self.update_dir = os.path.realpath(update_dir) if update_dir else None
@@ -47,6 +49,12 @@ class Versions:
         """[[expert, active version, [held versions](, layer)], ...] (protocol.with_layer)"""
         return [P.with_layer([e, ex.version, sorted(self.held[(L, e)])], L)
                 for (L, e), ex in sorted(self.active.items())]
+
+    def weights(self) -> list:
+        """Every held version's identity: [[layer, expert, version, fingerprint, source], ...]
+        (protocol.weights_entry)."""
+        return [P.weights_entry(L, e, v, ex.fingerprint, ex.source)
+                for (L, e), held in sorted(self.held.items()) for v, ex in sorted(held.items())]
 
     def pick(self, layer: int, groups: list) -> list:
         """The expert object serving each forward group (its pinned version, or the active one)."""
@@ -89,7 +97,7 @@ class Versions:
         key = (req.layer, req.expert)
         held = self.held[key]
         if req.version in held:  # idempotent: a retried load finds it done
-            return self._loaded(req)
+            return self._loaded(req, held[req.version])
         if (*key, req.version) in self._loading:
             raise P.RequestError(P.BAD_REQUEST, f"expert {req.expert} version {req.version} is already loading")
         if len(held) + sum(1 for L, e, _ in self._loading if (L, e) == key) >= MAX_VERSIONS:
@@ -106,8 +114,9 @@ class Versions:
         return None
 
     @staticmethod
-    def _loaded(req: "P.LoadRequest") -> dict:
-        r = {"op": P.LOADED, "id": req.request_id, "expert": req.expert, "version": req.version}
+    def _loaded(req: "P.LoadRequest", ex: Any) -> dict:
+        r = {"op": P.LOADED, "id": req.request_id, "expert": req.expert, "version": req.version,
+             "fingerprint": ex.fingerprint, "source": ex.source}
         if req.layer != P.DEFAULT_LAYER:
             r["layer"] = req.layer
         return r
@@ -116,6 +125,7 @@ class Versions:
         """Loader thread: build the new version off the serve loop, hand it over."""
         try:
             result: Any = build_version(req, path, self.active[(req.layer, req.expert)], max_tokens=self.max_tokens)
+            result.fingerprint  # noqa: B018  (hashed here, off the serve loop)
         except Exception as e:  # reported to the requester; the worker keeps serving
             result = e
         self._post(lambda: self._finish(req, result))
@@ -130,7 +140,7 @@ class Versions:
             self.held[key][req.version] = result
             log.info("layer %d expert %d: version %d loaded (held %s)", req.layer, req.expert, req.version,
                      sorted(self.held[key]))
-            reply = self._loaded(req)
+            reply = self._loaded(req, result)
         if conn is not None:
             self._reply(conn, reply)
 
