@@ -10,6 +10,8 @@
     moe-gateway update --gateway tcp://127.0.0.1:7000 start --experts 3 --new-version 1 --seed 7 --wait
     moe-gateway update --gateway tcp://127.0.0.1:7000 advance       # 1% -> 5% -> 25% -> 50% -> 100%
     moe-gateway update --gateway tcp://127.0.0.1:7000 finish        # (or rollback)
+    moe-gateway update --gateway tcp://127.0.0.1:7000 served        # every expert's served version
+    moe-gateway update --gateway tcp://127.0.0.1:7000 settle --experts 2 --version 1   # workers disagreed
 
 Prints ``LISTENING <url>`` as its first stdout line. SIGTERM: stop accepting, answer what
 is queued and in flight, stop the local workers, exit 0.
@@ -367,6 +369,19 @@ def add_update_parser(sub) -> argparse.ArgumentParser:
     fin = acts.add_parser("finish", help="all traffic to the new version; retire the old one")
     rb = acts.add_parser("rollback", help="all traffic back to the old version; retire the new one")
     acts.add_parser("status", help="the update's state, fraction, served counts and timeline (JSON)")
+    acts.add_parser("served", help="what the gateway serves: each expert's version, fingerprint and source, "
+                                   "blocked and adopted experts, workers being admitted (JSON)")
+    se = acts.add_parser("settle", formatter_class=options.HelpFormatter,
+                         help="serve this version of experts whose workers disagree (or any); every host is "
+                              "brought to it before it takes traffic again")
+    se.add_argument("--experts", required=True, type=options.int_list, help="e.g. 3 or 0-3 or 1,5")
+    se.add_argument("--version", dest="version", type=int, required=True, metavar="N",
+                    help="the version to serve (its source: as given, else as a worker holding it reports)")
+    se_src = se.add_mutually_exclusive_group()
+    se_src.add_argument("--weights", help=".npz (SwiGLUExpert.save_many) in the workers' --update-dir")
+    se_src.add_argument("--seed", type=int, help="demo weights from this seed")
+    se_src.add_argument("--checkpoint", metavar="DIR", help="a checkpoint directory in the workers' --update-dir")
+    se.add_argument("--layer", type=int, default=None, help="the MoE layer (default: 0)")
     for q in (st, fin, rb):
         q.add_argument("--wait", action="store_true",
                        help="return once the workers acknowledged (loaded, or retired the other version)")
@@ -392,6 +407,10 @@ def update_main(args) -> int:
             fields["checkpoint"] = os.path.abspath(args.checkpoint)
         else:
             fields["seed"] = args.seed
+    elif args.action == "settle":
+        fields = {"experts": args.experts, "version": args.version, "layer": args.layer, "seed": args.seed,
+                  "weights": os.path.abspath(args.weights) if args.weights else None,
+                  "checkpoint": os.path.abspath(args.checkpoint) if args.checkpoint else None}
     elif args.action == "advance" and args.fraction is not None:
         fields = {"fraction": args.fraction}
     try:

@@ -72,6 +72,10 @@ class GatewayClient:
         self.last_timing: Optional[dict] = None
         self.last_round: Optional[int] = None
         self.last_versions: Optional[list] = None
+        #: every expert that computed the last result, and the version it used: {expert: version}
+        self.last_expert_versions: Optional[dict] = None
+        #: the gateway's served set (its generation) the last result was routed under
+        self.last_served_set: Optional[int] = None
 
     def forward(self, x: np.ndarray, *, timeout: Optional[float] = None,
                 out: Optional[np.ndarray] = None, layer: Optional[int] = None) -> np.ndarray:
@@ -211,6 +215,9 @@ class GatewayClient:
         self.last_timing = h.get("timing")
         self.last_round = h.get("round")
         self.last_versions = h.get("versions")  # [[expert, version]] pinned during a hot update
+        ev = h.get("expert_versions")
+        self.last_expert_versions = {int(e): int(v) for e, v in ev} if isinstance(ev, list) else None
+        self.last_served_set = h.get("served_set")
         if keep:  # y is the kept Message: (message, a view of its payload)
             shape, dt = tuple(h["shape"]), P.wire_dtype(h["dtype"])
             return y, (y.array(0, dt, shape) if shape[0] else np.empty(shape, dt))

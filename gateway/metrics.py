@@ -99,6 +99,30 @@ class GatewayMetrics:
         if st.rows:
             self.rows.inc(st.rows)
 
+    @staticmethod
+    def _served(pool) -> list:
+        """What the gateway serves (gateway/served.py) and how workers were admitted to it."""
+        served, adm = pool.served, pool.admission.stats
+        gen = GaugeMetricFamily("moe_gateway_served_generation", "Generation of the served weights (one more at "
+                                "every finished update or settle)", value=served.generation)
+        ver = GaugeMetricFamily("moe_gateway_served_version", "The served version of each expert (-1: blocked, "
+                                "its workers disagree)", labels=["expert", "layer"])
+        for L in sorted(served.layers):
+            for e, v in enumerate(served.versions(L)):
+                ver.add_metric([str(e), str(L)], v)
+        blocked = GaugeMetricFamily("moe_gateway_blocked_experts", "Experts not served because their workers "
+                                    "disagree on their weights", value=len(served.blocked))
+        adopted = GaugeMetricFamily("moe_gateway_adopted_experts", "Experts served at a version other than the "
+                                    "start-up one because the workers agreed on it at start", value=len(served.adopted))
+        adm_c = CounterMetricFamily("moe_gateway_worker_admissions", "Worker connections admitted as they were "
+                                    "(admitted), after loads and retires (synced), or refused", labels=["outcome"])
+        for outcome in ("admitted", "synced", "refused"):
+            adm_c.add_metric([outcome], getattr(adm, outcome))
+        sync_s = CounterMetricFamily("moe_gateway_worker_sync_seconds", "Seconds workers spent being brought to "
+                                     "the served weights before admission (count: the synced outcome)",
+                                     value=adm.seconds_total)
+        return [gen, ver, blocked, adopted, adm_c, sync_s]
+
     def _collect(self) -> list:
         srv = self.server
         st = srv.stats
@@ -170,6 +194,7 @@ class GatewayMetrics:
             for (L, e), v in sorted(list(w.versions.items())):
                 wver.add_metric([str(w.index), str(e), str(L)], v)
         fams += [info, healthy, state, out, sent, bsent, fail, comp, erows, kin, wver]
+        fams += self._served(pool)
         up = pool.update
         if up is not None:
             ul = ["experts", "old", "new"]

@@ -16,10 +16,13 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from gateway.admission import Admission
 from gateway.chunking import ChunkSetting, parse_chunk_rows
+from gateway.control import ControlChannel
 from gateway.rollout import ACK_TIMEOUT, Rollout
 from gateway.rounds import BatchStats, Request, RoundBook, WorkerError, n_ids, slots_per_token
 from gateway.router import Router
+from gateway.served import ServedSet
 from gateway.workers import LayerShape, WorkerLink, WorkerSet
 from transport.service import secrets
 from transport.service.loop import ServeLoop
@@ -79,19 +82,26 @@ class WorkerPool:
         shape = LayerShape(self.d_model, self.dtype, self.max_rows, self.n_experts, layers, self.fingerprints)
         self.workers = WorkerSet(urls, shape, nslots=nslots, timeout=timeout, secret=secret,
                                  post=self.loop.call_soon_threadsafe)
-        self.rollout = Rollout(self.workers, self.n_experts, next_id=next_id, ack_timeout=ack_timeout,
+        self.served = ServedSet(layers)
+        self.control = ControlChannel(self.workers, next_id=next_id, ack_timeout=ack_timeout)
+        self.rollout = Rollout(self.workers, self.n_experts, control=self.control, served=self.served,
                                layers=self.routers, fingerprints=self.fingerprints)
+        self.admission = Admission(self.workers, self.served, self.control, self.rollout)
+        self.rollout.on_settled = self.admission.recheck
         self.rounds = RoundBook(self.workers, self.routers, dtype=self.dtype, max_batch_tokens=self.max_batch_tokens,
                                 timeout=timeout, split_replicas=split_replicas, min_split=min_split,
                                 decide_pins=self.rollout.decide, next_id=next_id, balancing=balancing,
-                                pinned_router=self.rollout.router_for, chunk_rows=chunk_rows)
+                                pinned_router=self.rollout.router_for, chunk_rows=chunk_rows, served=self.served)
         self.workers.on_message = self._on_message
         self.workers.on_up.append(self._up)
         self.workers.on_down.append(self._down)
         self.workers.on_write_pending.append(self._write_pending)
         self.on_round = None  # callable(BatchStats) after each settled round (metrics)
+        self._started = False  # the first connections are admitted together (Admission.start)
         try:
             self.workers.connect_all(connect_timeout)
+            self.admission.start()
+            self._await_admission(ack_timeout)
         except BaseException:
             self.close()
             raise
@@ -102,7 +112,18 @@ class WorkerPool:
 
     # -- plumbing ------------------------------------------------------------------------------
     def _up(self, w: WorkerLink) -> None:
+        """A worker (re)connected: watch it, and admit it once it holds the served weights
+        (on the first connections, :meth:`Admission.start` does, after all of them)."""
         self.loop.watch(w.conn, lambda w=w: self._ready(w))
+        if self._started:
+            self.admission.begin(w)
+
+    def _await_admission(self, timeout: float) -> None:
+        """At start: serve once every first connection was admitted (or refused), bounded."""
+        self._started = True
+        deadline = time.monotonic() + timeout
+        while any(self.admission.syncing(w) for w in self.workers) and time.monotonic() < deadline:
+            self.loop.run_once(timeout=0.02)
 
     def _write_pending(self, w: WorkerLink) -> None:
         self.loop.watch_write(w.conn, True)
@@ -116,21 +137,28 @@ class WorkerPool:
 
     def _down(self, w: WorkerLink, why: str) -> None:
         self.loop.unwatch(w.conn)
+        self.control.on_worker_down(w)
+        self.admission.on_worker_down(w)
         self.rollout.on_worker_down(w)
         self.rounds.on_worker_down(w, why)
 
     def _on_message(self, w: WorkerLink, msg) -> None:
         h = msg.header
         rid = P.request_id_of(h)
-        if self.rollout.owns(rid):
+        if self.control.owns(rid):
             msg.release()
-            self.rollout.on_reply(w, h)
+            self.control.on_reply(w, h)
             return
         op = h.get("op") if isinstance(h, dict) else None
         if op in (P.RESULT, P.ERROR) and rid != -1:
             self.rounds.on_reply(w, msg)
             return
         msg.release()
+        if op == P.PONG and w.admitted and not self.control.pending(w.index) and _held_changed(w, h):
+            # loads and retires go only through this gateway's control channel: a worker whose
+            # versions changed otherwise is not known to hold the served weights any more
+            self.workers.lost(w, "its weights changed without this gateway (another gateway?): re-admitting")
+            return
         if isinstance(h, dict):
             self.workers.on_notice(w, h)
 
@@ -139,8 +167,10 @@ class WorkerPool:
         backlog = self.rounds.pump()  # chunks a connection could not take yet
         t = self.workers.tick(now)
         r = self.rollout.tick(now)
+        c = self.control.tick(now)
+        a = self.admission.tick(now)
         d = self.rounds.next_deadline()
-        due = [x for x in (t, r, d) if x is not None]
+        due = [x for x in (t, r, c, a, d) if x is not None]
         if backlog:  # shm returns credits without a wake-up: look again soon
             due.append(now + BACKLOG_RETRY)
         if self.rounds.has_stalling(now):  # a stalled round stops holding the batcher: look again soon
@@ -282,3 +312,15 @@ class WorkerPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _held_changed(w: WorkerLink, pong: dict) -> bool:
+    """Whether a pong's versions table holds other versions than ``w`` acknowledged."""
+    versions = pong.get("versions")
+    if not isinstance(versions, list):
+        return False
+    try:
+        said = {(P.entry_layer(v, 3), int(v[0])): set(int(x) for x in v[2]) for v in versions}
+    except (TypeError, ValueError, IndexError):
+        return False
+    return any(said.get(k, set()) != set(held) for k, held in w.weights.items())

@@ -15,39 +15,46 @@ is the one the gateway computed. When the new checkpoint's router differs from t
 serving, the update must cover every expert id of the layer (routed and shared): requests
 decided for the new version are then routed by the new router, the others by the old one,
 so no output mixes the two models. Only requests of the update's layer are pinned.
+
+The versions an update starts from are the served ones (gateway/served.py); when it is done,
+its new versions are. Every host's new version must have the fingerprint the first host
+reported, or the update fails. ``settle`` is the operator's way to choose an expert's served
+version by hand (the workers disagreed, or an adopted version is to be made official).
 """
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable, Optional
 
 import numpy as np
 
+from gateway.control import ControlChannel
+from gateway.served import ServedSet, Weights
 from gateway.update import DEFAULT_STEPS, State, Update, UpdateError, check_steps
 from gateway.workers import WorkerLink, WorkerSet
 from workers import protocol as P
 
 log = logging.getLogger("moe.rollout")
 
-ACK_TIMEOUT = 30.0  # a load or retire not acknowledged this long is given up on
+ACK_TIMEOUT = 30.0  # a load or retire not acknowledged this long is given up on (gateway/control.py)
 
 
 class Rollout:
-    def __init__(self, workers: WorkerSet, n_experts: int, *, next_id: Callable[[], int],
-                 ack_timeout: float = ACK_TIMEOUT, layers: Optional[dict] = None,
-                 fingerprints: Optional[dict] = None) -> None:
+    def __init__(self, workers: WorkerSet, n_experts: int, *, control: ControlChannel, served: ServedSet,
+                 layers: Optional[dict] = None, fingerprints: Optional[dict] = None) -> None:
         self.workers = workers
         self.n_experts = n_experts
         # layer -> its serving router: the pool's own dict, shared with its RoundBook, so that a
         # finished update that brought a new router installs it for every later request
         self.routers = layers if layers is not None else {P.DEFAULT_LAYER: None}
         self.fingerprints = dict(fingerprints or {})
-        self._ids = next_id
-        self.ack_timeout = ack_timeout
+        self.control = control
+        self.served = served
         self.update: Optional[Update] = None  # the current (or last) update
         self.updates: list[Update] = []  # every update, oldest first
-        self._ctrl: dict = {}  # request id -> (op, worker index, expert, sent at)
+        self._applied: Optional[Update] = None  # the last update whose outcome the served set took
+        #: called with the keys whose served weights an operator settled (their hosts re-admit)
+        self.on_settled: Callable[[list], None] = lambda keys: None
 
     # -- what requests get -------------------------------------------------------------------
     def decide(self, layer: int = P.DEFAULT_LAYER) -> dict:
@@ -63,21 +70,11 @@ class Rollout:
             return None
         return up.router if next(iter(pins.values())) == up.new else None
 
-    def owns(self, rid: Any) -> bool:
-        return rid in self._ctrl
-
-    def _install_router(self) -> None:
-        """A finished update's new router serves its layer from now on (while FINISHING every
-        request was already pinned to it)."""
-        up = self.update
-        if up is not None and up.router is not None and up.state == State.DONE \
-                and self.routers.get(up.layer) is not up.router:
-            self.routers[up.layer] = up.router
-            log.info("layer %d: the router of version %d serves from now on", up.layer, up.new)
-
     # -- commands ----------------------------------------------------------------------------
     def _live_hosts(self, expert: int, layer: int = P.DEFAULT_LAYER) -> list[WorkerLink]:
-        return [w for w in self.workers if w.hosts(expert, layer) and w.connected]
+        """Hosts of the expert that take part in updates: connected and admitted (one being
+        admitted is brought to the update's state by admission)."""
+        return [w for w in self.workers if w.hosts(expert, layer) and w.admitted]
 
     def _n_ids(self, layer: int) -> int:
         r = self.routers.get(layer)
@@ -116,16 +113,7 @@ class Rollout:
                     or not auto_interval > 0:
                 raise UpdateError(f"auto interval must be > 0 seconds, got {auto_interval!r}")
             auto_interval = float(auto_interval)
-        old = {}
-        for e in experts:
-            hosts = self._live_hosts(e, layer)
-            if not hosts:
-                raise UpdateError(f"expert {e} has no connected worker")
-            actives = {w.versions.get((layer, e)) for w in hosts}
-            if len(actives) != 1:
-                raise UpdateError(f"expert {e}'s workers disagree on its active version: "
-                                  + ", ".join(f"{w.url}={w.versions.get((layer, e))}" for w in hosts))
-            old[e] = actives.pop()
+        old = self._served_versions(experts, layer)
         if weights is not None:
             source: dict = {"weights": weights}
         elif seed is not None:
@@ -133,13 +121,13 @@ class Rollout:
         else:
             source, router = self._checkpoint_source(checkpoint, layer, experts)
         up = Update(tuple(experts), old, version, steps=steps, auto_interval=auto_interval, layer=layer,
-                    router=router if checkpoint is not None else None)
+                    router=router if checkpoint is not None else None, source=dict(source))
         loads = [(w, e) for e in experts for w in self._live_hosts(e, layer)]
         up.waiting = {(w.index, e) for w, e in loads}
         self.update = up
         self.updates.append(up)
         for w, e in loads:
-            self._send(w, P.LOAD, e, layer, version=version, **source)
+            self._send(w, P.LOAD, e, layer, dict(version=version, **source))
         log.info("update to version %d of experts %s of layer %d started", version, experts, layer)
         return up.status()
 
@@ -169,11 +157,34 @@ class Rollout:
                               f"layer (--experts 0-{cur.n_ids - 1}) so that each request is served by one model")
         return {"checkpoint": path, "fingerprint": new.fingerprint}, (None if same else r)
 
+    def _served_versions(self, experts: list, layer: int) -> dict:
+        """{expert: its served version} for an update of ``experts``, or UpdateError when one
+        is blocked, has no admitted worker, or has a worker being admitted (its state is
+        being settled now: try again in a moment)."""
+        old = {}
+        for e in experts:
+            key = (layer, e)
+            why = self.served.why_blocked(key)
+            if why is not None:
+                raise UpdateError(f"expert {e} is not served: {why}")
+            w = self.served.get(key)
+            if w is None:
+                raise UpdateError(f"expert {e} of layer {layer} is not served by this gateway")
+            admitting = [h.url for h in self.workers if h.hosts(e, layer) and h.connected and not h.admitted]
+            if admitting:
+                raise UpdateError(f"expert {e}: worker(s) {admitting} are being brought to the served weights; "
+                                  f"try again in a moment")
+            if not self._live_hosts(e, layer):
+                raise UpdateError(f"expert {e} has no connected worker")
+            old[e] = w.version
+        return old
+
     def command(self, action: str, fraction: Any = None) -> dict:
         """advance / finish / rollback / status of the current update."""
         up = self.update
         if action not in ("advance", "finish", "rollback", "status"):
-            raise UpdateError(f"unknown update action {action!r}; use start, advance, finish, rollback, status")
+            raise UpdateError(f"unknown update action {action!r}; use start, advance, finish, rollback, "
+                              f"status, settle or served")
         if up is None:
             if action == "status":
                 return {"state": "none"}
@@ -184,25 +195,76 @@ class Rollout:
             up.advance(None if fraction is None else float(fraction))
         elif action == "finish":
             for w, e in up.finish({e: [w.index for w in self._live_hosts(e, up.layer)] for e in up.experts}):
-                self._send(self.workers[w], P.RETIRE, e, up.layer, version=up.old[e])
-            self._install_router()
+                self._send(self.workers[w], P.RETIRE, e, up.layer, {"version": up.old[e]})
+            self._settle_outcome()
         elif action == "rollback":
             for w, e in up.rollback():
-                self._send(self.workers[w], P.RETIRE, e, up.layer, version=up.new)
+                self._send(self.workers[w], P.RETIRE, e, up.layer, {"version": up.new})
+            self._settle_outcome()
         return up.status()
 
     def status(self) -> Optional[dict]:
         return self.update.status() if self.update is not None else None
 
+    # -- settling an expert by hand --------------------------------------------------------------
+    def settle(self, experts: Any, version: Any, *, layer: Any = None, weights: Any = None, seed: Any = None,
+               checkpoint: Any = None) -> dict:
+        """Serve ``version`` of ``experts`` (blocked ones, whose workers disagreed, or any): the
+        source is the one given, else the one a connected worker holding that version reports;
+        every host is then brought to it (admission). Refused while an update changes them."""
+        layer = P.DEFAULT_LAYER if layer is None else layer
+        if type(layer) is not int or layer not in self.routers:
+            raise UpdateError(f"no layer {layer!r} here (layers: {sorted(self.routers)})")
+        if not (isinstance(experts, (list, tuple)) and experts and all(type(e) is int for e in experts)):
+            raise UpdateError(f"settle needs experts: a list of expert ids, got {experts!r}")
+        experts = sorted(set(experts))
+        bad = [e for e in experts if not 0 <= e < self._n_ids(layer)]
+        if bad:
+            raise UpdateError(f"no expert {bad} (the layer has {self._n_ids(layer)})")
+        if type(version) is not int or version < 0:
+            raise UpdateError(f"settle needs an integer version >= 0, got {version!r}")
+        up = self.update
+        if up is not None and up.state.active and up.layer == layer and set(up.experts) & set(experts):
+            raise UpdateError(f"an update of experts {list(up.experts)} is in progress ({up.state.value}); "
+                              f"finish or roll it back first")
+        given = [v for v in (weights, seed, checkpoint) if v is not None]
+        if len(given) > 1:
+            raise UpdateError("settle takes at most one of weights, seed, checkpoint")
+        chosen = {}
+        for e in experts:
+            key = (layer, e)
+            found = [ws[version] for w in self.workers if w.hosts(e, layer) and w.connected
+                     for ws in [w.weights.get(key, {})] if version in ws]
+            fps = {fp for fp, _ in found}
+            if given:
+                source = {"weights": weights} if weights is not None else (
+                    {"seed": seed} if seed is not None else {"checkpoint": checkpoint})
+                try:
+                    source = P.check_source(source)
+                except P.RequestError as err:
+                    raise UpdateError(err.message) from None
+                chosen[key] = Weights(version, None, source)
+            elif len(fps) == 1:
+                chosen[key] = Weights(version, fps.pop(), next((src for _, src in found if src), None))
+            elif fps:
+                raise UpdateError(f"expert {e}: workers hold version {version} with different weights "
+                                  f"({sorted(f[:12] for f in fps)}); give its source (seed, weights or checkpoint)")
+            else:
+                raise UpdateError(f"expert {e}: no connected worker holds version {version}; give its source "
+                                  f"(seed, weights or checkpoint)")
+        self.served.serve(chosen)
+        self.served.adopted = {k: v for k, v in self.served.adopted.items() if k not in chosen}
+        log.warning("experts %s of layer %d settled at version %d by an operator (served set %d)", experts, layer,
+                    version, self.served.generation)
+        self.on_settled(sorted(chosen))
+        return {"state": "settled", "experts": experts, "layer": layer, "version": version,
+                "generation": self.served.generation}
+
     # -- control requests --------------------------------------------------------------------
-    def _send(self, w: WorkerLink, op: str, expert: int, layer: int, **fields: Any) -> None:
-        rid = self._ids()
-        self._ctrl[rid] = (op, w.index, expert, time.monotonic(), layer)
-        if layer != P.DEFAULT_LAYER:
-            fields["layer"] = layer
-        if not self.workers.send(w, P.request(op, rid, expert=expert, **fields)):
-            self._ctrl.pop(rid, None)
-            self._gave_up(w.index, op, expert, f"{op} could not be sent to {w.describe()}")
+    def _send(self, w: WorkerLink, op: str, expert: int, layer: int, fields: dict) -> None:
+        self.control.send(w, op, expert, layer, fields,
+                          on_reply=lambda link, h: self._acked(link, op, expert, layer, h),
+                          on_fail=lambda why: self._gave_up(w.index, op, expert, why))
 
     def _gave_up(self, wi: int, op: str, expert: int, why: str) -> None:
         up = self.update
@@ -212,46 +274,65 @@ class Rollout:
             self._retire_all(up.on_load_failed(wi, expert, why), up.new)
         else:  # a retire nobody will acknowledge: the version is gone with the worker, or stays unused
             up.on_retired(wi, expert)
+        self._settle_outcome()
 
     def _retire_all(self, pairs: list, version: int) -> None:
         layer = self.update.layer if self.update is not None else P.DEFAULT_LAYER
         for wi, e in pairs:
-            self._send(self.workers[wi], P.RETIRE, e, layer, version=version)
+            self._send(self.workers[wi], P.RETIRE, e, layer, {"version": version})
 
-    def on_reply(self, w: WorkerLink, h: dict) -> None:
-        op, wi, expert, _, layer = self._ctrl.pop(P.request_id_of(h))
+    def _acked(self, w: WorkerLink, op: str, expert: int, layer: int, h: dict) -> None:
         up = self.update
-        if h.get("op") == P.ERROR:
-            why = f"{h.get('code')}: {h.get('message')}"
-            log.warning("worker %s: %s of expert %d failed: %s", w.url, op, expert, why)
-            self._gave_up(wi, op, expert, why)
+        if up is None or up.layer != layer or expert not in up.experts:
             return
-        if op == P.LOAD and h.get("op") == P.LOADED:
-            w.held.setdefault((layer, expert), set()).add(int(h["version"]))
-            if up is not None and up.on_loaded(wi, expert):  # rolled back meanwhile
-                self._send(w, P.RETIRE, expert, layer, version=up.new)
-        elif op == P.RETIRE and h.get("op") == P.RETIRED:
-            w.held.get((layer, expert), set()).discard(int(h["version"]))
-            w.versions[(layer, expert)] = int(h["active"])
-            if up is not None:
-                up.on_retired(wi, expert)
-                self._install_router()
+        if op == P.LOAD:
+            fp = w.weights.get((layer, expert), {}).get(up.new, ("",))[0]
+            first = up.fingerprints.setdefault(expert, fp)
+            if fp != first:  # two hosts read other weights under one version: never serve both
+                why = (f"worker {w.url} loaded version {up.new} of expert {expert} with fingerprint {fp[:12]}, "
+                       f"another worker {first[:12]}: they do not read the same weights")
+                log.error("update: %s", why)
+                self._send(w, P.RETIRE, expert, layer, {"version": up.new})
+                self._retire_all(up.on_load_failed(w.index, expert, why), up.new)
+            elif up.on_loaded(w.index, expert):  # rolled back meanwhile
+                self._send(w, P.RETIRE, expert, layer, {"version": up.new})
+        else:
+            up.on_retired(w.index, expert)
+        self._settle_outcome()
+
+    def admitted(self, w: WorkerLink) -> None:
+        """``w`` was just admitted holding the update's new version beside the old one (it came
+        back while the update loaded or shifted): a rollback or finish now covers it."""
+        up = self.update
+        if up is None or up.state not in (State.LOADING, State.SHIFTING):
+            return
+        for e in up.experts:
+            if up.new in w.weights.get((up.layer, e), {}):
+                up.loaded.add((w.index, e))
+
+    def _settle_outcome(self) -> None:
+        """A finished update's versions become the served ones (and its new router, if it
+        brought one, serves its layer from now on); a rolled-back one changes nothing."""
+        up = self.update
+        if up is None or up is self._applied or up.state != State.DONE:
+            return
+        self._applied = up
+        self.served.serve({(up.layer, e): Weights(up.new, up.fingerprints.get(e), up.source) for e in up.experts})
+        for e in up.experts:
+            self.served.adopted.pop((up.layer, e), None)
+        log.info("update to version %d of experts %s of layer %d done: served set %d", up.new, list(up.experts),
+                 up.layer, self.served.generation)
+        if up.router is not None and self.routers.get(up.layer) is not up.router:
+            self.routers[up.layer] = up.router
+            log.info("layer %d: the router of version %d serves from now on", up.layer, up.new)
 
     def on_worker_down(self, w: WorkerLink) -> None:
-        for rid in [r for r, c in self._ctrl.items() if c[1] == w.index]:
-            del self._ctrl[rid]
         if self.update is not None:
             self.update.on_worker_lost(w.index)
-            self._install_router()
+            self._settle_outcome()
 
     def tick(self, now: float) -> Optional[float]:
-        """The automatic schedule, and acknowledgements that never came."""
-        for rid, (op, wi, expert, sent, _) in list(self._ctrl.items()):
-            if now - sent > self.ack_timeout:
-                del self._ctrl[rid]
-                log.warning("worker %s did not acknowledge %s of expert %d in %.0f s: giving up on it",
-                            self.workers[wi].url, op, expert, self.ack_timeout)
-                self._gave_up(wi, op, expert, f"no acknowledgement in {self.ack_timeout:.0f} s")
+        """The automatic schedule."""
         up = self.update
         if up is not None and up.pinning:
             due = up.due()

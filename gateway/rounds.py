@@ -46,6 +46,7 @@ from gateway.dispatch import ChunkSum, DispatchPlan, SumBuffers, split_over_repl
 from gateway.reply_clock import ReplyClock
 from gateway.replicas import BALANCING, choose_least_loaded, choose_replicas
 from gateway.router import Routing
+from gateway.served import ServedSet
 from gateway.workers import WorkerLink, WorkerSet
 from transport import TransportError
 from workers import protocol as P
@@ -105,7 +106,7 @@ class Request:
     """One token batch inside the gateway, across its attempts."""
 
     __slots__ = ("x", "tag", "layer", "routing", "plan", "pins", "error", "attempts", "round", "bases", "waiting",
-                 "finished", "arrived", "acc", "out")
+                 "finished", "arrived", "acc", "out", "used", "served")
 
     def __init__(self, x: np.ndarray, tag: Any = None, layer: int = P.DEFAULT_LAYER,
                  out: Optional[np.ndarray] = None):
@@ -114,7 +115,9 @@ class Request:
         self.layer = layer
         self.routing: Optional[Routing] = None
         self.plan: Optional[DispatchPlan] = None
-        self.pins: dict = {}  # expert -> the weights version this request is served by
+        self.pins: dict = {}  # expert -> the weights version a hot update decided for this request
+        self.used: dict = {}  # expert -> the version every group of its rows was pinned to (the answer's)
+        self.served: Optional[int] = None  # the served set's generation when it was routed
         self.error: Optional[Exception] = None
         self.attempts = 0
         self.round: Optional["Round"] = None
@@ -134,6 +137,10 @@ class Request:
     def versions(self) -> list:
         """[[expert, version], ...] pinned for this request (during a hot update)."""
         return [[e, v] for e, v in sorted(self.pins.items())]
+
+    def expert_versions(self) -> list:
+        """[[expert, version], ...] of every expert that computed rows of this request."""
+        return [[e, v] for e, v in sorted(self.used.items())]
 
     def combine(self, out: np.ndarray) -> np.ndarray:
         """The weighted combine of this request's expert outputs into ``out`` (T, d), from
@@ -284,7 +291,7 @@ class RoundBook:
                  decide_pins: Optional[Callable[[int], dict]] = None,
                  next_id: Optional[Callable[[], int]] = None, balancing: str = "load-aware",
                  pinned_router: Optional[Callable[[int, dict], Any]] = None,
-                 chunk_rows: ChunkSetting = "auto") -> None:
+                 chunk_rows: ChunkSetting = "auto", served: Optional[ServedSet] = None) -> None:
         if balancing not in BALANCING:
             raise ValueError(f"balancing must be one of {BALANCING}, got {balancing!r}")
         self.balancing = balancing
@@ -304,6 +311,9 @@ class RoundBook:
         self.timeout = timeout
         self.split_replicas, self.min_split = split_replicas, min_split
         self.decide_pins = decide_pins or (lambda layer: {})
+        # what the gateway serves: every group is pinned to its expert's served version (or
+        # the update's pin), so a worker computes it with exactly that version or refuses
+        self.served = served
         self._ids = next_id or _counter()
         self.rounds: dict[int, Round] = {}
         self.sums = SumBuffers()  # float32 sums of narrow outputs, reused (fresh pages fault)
@@ -403,6 +413,7 @@ class RoundBook:
                                               f"{self.max_batch_tokens}"))
         # pins first: a hot update that brings its own router routes the requests it serves
         req.pins = self.decide_pins(req.layer)
+        req.served = self.served.generation if self.served is not None else None
         router = self.pinned_router(req.layer, req.pins) or router
         try:
             req.routing = router.route(x)
@@ -417,6 +428,11 @@ class RoundBook:
     def _hosted(self, req: Request) -> bool:
         needed = np.flatnonzero(req.routing.expert_counts)
         L = req.layer
+        if self.served is not None and self.served.blocked:
+            why = [self.served.why_blocked((L, int(e))) for e in needed]
+            why = [w for w in why if w is not None]
+            if why:
+                return self._fail(req, NoHealthyWorker("not served: " + "; ".join(why)))
         lost = [int(e) for e in needed if not self.hosts(int(e), layer=L)]
         if not lost:
             return True
@@ -464,7 +480,7 @@ class RoundBook:
             r.plan = DispatchPlan.from_assignment(r.routing.topk_idx, r.routing.topk_weights,
                                                   assign[at:at + T], n_workers, n_experts=n_experts)
             at += T
-            r.bases, r.waiting = {}, set()
+            r.bases, r.waiting, r.used = {}, set(), {}
         for w in range(n_workers):
             base = 0
             for r in reqs:
@@ -536,16 +552,23 @@ class RoundBook:
         rnd.stats.rows = sum(rnd.rows.values())
         rnd.stats.workers = len(rnd.rows)
 
-    @staticmethod
-    def _part_groups(rnd: Round, w_index: int) -> list:
+    def _part_groups(self, rnd: Round, w_index: int) -> list:
+        """Worker ``w_index``'s groups of ``rnd``, each pinned to the version it is computed
+        with (recorded on its request: the answer says which versions made it)."""
         groups = []
+        table = self.served.versions(rnd.layer) if self.served is not None else None
         for r in rnd.requests:
             base = r.bases.get(w_index)
             if base is None:
                 continue
-            pins = r.pins
-            groups.extend((e, base + s, c, pins[e]) if e in pins else (e, base + s, c)
-                          for e, s, c in r.plan.groups(w_index))
+            pins, used = r.pins, r.used
+            for e, s, c in r.plan.groups(w_index):
+                v = pins[e] if e in pins else (table[e] if table is not None else None)
+                if v is None:
+                    groups.append((e, base + s, c))
+                else:
+                    groups.append((e, base + s, c, v))
+                    used[e] = v
         return groups
 
     def _may_wait(self, w_index: int) -> bool:

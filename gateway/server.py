@@ -250,6 +250,13 @@ class GatewayServer:
         finish, rollback or status; see gateway/rollout.py. Bad ones are RequestErrors."""
         action = h.get("action")
         try:
+            if action == "settle":
+                return self.pool.rollout.settle(h.get("experts"), h.get("version"), layer=h.get("layer"),
+                                                weights=h.get("weights"), seed=h.get("seed"),
+                                                checkpoint=h.get("checkpoint"))
+            if action == "served":
+                return {"state": "served", **self.pool.served.status(),
+                        "admission": self.pool.admission.snapshot()}
             if action == "start":
                 return self.pool.rollout.start(h.get("experts"), h.get("version"), weights=h.get("weights"),
                                                seed=h.get("seed"), checkpoint=h.get("checkpoint"),
@@ -265,6 +272,7 @@ class GatewayServer:
                 "queued": len(self.batcher), "rounds_in_flight": pool.in_flight,
                 "cpu_s": time.process_time(), "pid": os.getpid(), "serve": self.loop.stats.as_dict(),
                 "update": pool.rollout.status(), "reply_spin": pool.rounds.clock.snapshot(),
+                "served": pool.served.status(), "admission": pool.admission.snapshot(),
                 "config": {"max_batch_tokens": self.max_batch_tokens,
                            "max_wait_ms": self.batcher.max_wait * 1000,
                            "max_inflight_rounds": self.batcher.max_inflight_rounds,
@@ -361,6 +369,9 @@ class GatewayServer:
                 versions = req.versions()
                 if versions:
                     fields["versions"] = versions
+                fields["expert_versions"] = req.expert_versions()
+                if req.served is not None:
+                    fields["served_set"] = req.served
             return P.result_reply(client.request_id, shape, pool.dtype, **fields)
 
         buf, client.reply = client.reply, None

@@ -65,6 +65,8 @@ class Update:
     auto_interval: Optional[float] = None  # seconds between automatic advances (then finish)
     layer: int = 0  # the MoE layer whose experts it updates (0: the demo mode's one layer)
     router: object = None  # a new router the new version routes with (a checkpoint layer's), or None
+    source: Optional[dict] = None  # the load fields of the new version ({"seed": 7}, ...)
+    fingerprints: dict = field(default_factory=dict)  # expert -> the new version's, as its first load said
     clock: object = time.monotonic
     state: State = State.LOADING
     step: int = -1  # index into steps while SHIFTING

@@ -8,6 +8,12 @@ Each worker has a :class:`WorkerLink`: its URL, connection, what it hosts (from 
        │  └────────────── reconnected, same shape ◀── lost ◀┘ connection gone
        └──draining notice──▶ draining (no new work; lost when it goes)
     lost ──came back with another shape, expert set or checkpoint──▶ refused (retried slowly, reported)
+    connected ──▶ admitting ──holds the served weights──▶ healthy
+                      └──cannot load them──▶ refused
+
+Every connection starts *admitting*: gateway/admission.py brings the worker to the weights
+the gateway serves (loads, retires) and only then makes it healthy; what the worker holds
+comes from its ``weights`` pages at connect and from each acknowledged load and retire.
 
 Only ``healthy`` workers get new work. A lost worker is reconnected in the background with a
 growing back-off (never blocking the serve loop: the connect, handshake and ``info`` run in a
@@ -45,6 +51,7 @@ WORKER_SLOT_LIMIT = 256 << 20  # the largest worker receive slot the gateway acc
 
 
 class Health(str, enum.Enum):
+    ADMITTING = "admitting"  # connected, being brought to the served weights (gateway/admission.py)
     HEALTHY = "healthy"
     UNHEALTHY = "unhealthy"
     DRAINING = "draining"
@@ -124,6 +131,8 @@ class WorkerLink:
     layers: dict = field(default_factory=dict)  # layer -> frozenset of the ids it hosts there
     versions: dict = field(default_factory=dict)  # (layer, expert) -> active version
     held: dict = field(default_factory=dict)  # (layer, expert) -> versions the worker holds
+    weights: dict = field(default_factory=dict)  # (layer, expert) -> {version: (fingerprint, source)}
+    admitted_at: Optional[float] = None  # when it was last made healthy after connecting
     kernel: dict = field(default_factory=dict)  # its kernel as it describes it (kind, dtype, threads)
     max_tokens: int = 0
     d_ff: Optional[int] = None  # as its info said (reported, not needed by the gateway)
@@ -134,6 +143,7 @@ class WorkerLink:
     batches_sent: int = 0
     failures: int = 0
     reconnects: int = 0
+    refusals: int = 0
     compute_seconds: float = 0.0
     expert_rows: dict = field(default_factory=dict)  # (layer, expert_id) -> rows sent
     cpu_s: float = 0.0  # the worker process's CPU seconds, as its last reply said
@@ -154,6 +164,22 @@ class WorkerLink:
     @property
     def usable(self) -> bool:
         return self.state == Health.HEALTHY
+
+    @property
+    def admitted(self) -> bool:
+        """Connected and past admission (healthy, unhealthy or draining)."""
+        return self.conn is not None and self.state in (Health.HEALTHY, Health.UNHEALTHY, Health.DRAINING)
+
+    def loaded(self, key: tuple, version: int, fingerprint: str, source: Any) -> None:
+        """It acknowledged loading ``version`` of ``key``."""
+        self.weights.setdefault(key, {})[version] = (fingerprint, source)
+        self.held.setdefault(key, set()).add(version)
+
+    def retired(self, key: tuple, version: int, active: int) -> None:
+        """It acknowledged retiring ``version`` of ``key``; ``active`` is active now."""
+        self.weights.get(key, {}).pop(version, None)
+        self.held.get(key, set()).discard(version)
+        self.versions[key] = active
 
     @property
     def local(self) -> bool:
@@ -236,7 +262,9 @@ def _hello(conn, shape: LayerShape, url: str, timeout: float) -> dict:
     if h.get("d_model") != shape.d_model or h.get("dtype") != P.dtype_name(shape.dtype):
         raise ValueError(f"worker {url} serves d_model={h.get('d_model')} {h.get('dtype')}, "
                          f"the gateway needs d_model={shape.d_model} {P.dtype_name(shape.dtype)}")
-    check_layers(h, shape, url)
+    layers = check_layers(h, shape, url)
+    h["_weights"] = _fetch_weights(conn, url, deadline, limit=P.MAX_VERSIONS * sum(len(ids) for ids, _ in
+                                                                                  layers.values()))
     max_tokens = int(h.get("max_tokens", 0))
     if max_tokens < shape.max_rows or conn.max_message < shape.max_rows * shape.row_bytes:
         raise ValueError(
@@ -244,6 +272,33 @@ def _hello(conn, shape: LayerShape, url: str, timeout: float) -> dict:
             f"this gateway may send {shape.max_rows} rows; start it with --max-tokens >= {shape.max_rows} "
             f"or lower the gateway's --max-batch-tokens")
     return h
+
+
+def _fetch_weights(conn, url: str, deadline: float, limit: int) -> dict:
+    """Every version the worker holds: {(layer, expert): {version: (fingerprint, source)}},
+    a page at a time; at most ``limit`` entries (its hosted experts x MAX_VERSIONS)."""
+    out: dict = {}
+    start: Optional[int] = 0
+    n = 0
+    while start is not None:
+        conn.send(P.request(P.WEIGHTS, -3, start=start), timeout=max(0.0, deadline - time.monotonic()))
+        while True:
+            msg = conn.recv(timeout=max(0.0, deadline - time.monotonic()))
+            h = msg.header
+            msg.release()
+            if isinstance(h, dict) and h.get("id") == -3 and h.get("op") in (P.WEIGHTS, P.ERROR):
+                break
+        if h.get("op") == P.ERROR:
+            raise ValueError(f"worker {url} does not report its weights ({h.get('message')}): it is older than "
+                             f"this gateway; upgrade it")
+        entries, nxt = P.parse_weights_page(h, limit - n)
+        n += len(entries)
+        for L, e, v, fp, src in entries:
+            out.setdefault((L, e), {})[v] = (fp, src)
+        if nxt is not None and nxt != n:
+            raise ValueError(f"worker {url} sent a weights page out of order")
+        start = nxt
+    return out
 
 
 def _show(layers: dict) -> str:
@@ -338,11 +393,13 @@ class WorkerSet:
         w.layers = layers
         w.experts = sorted({e for ids in layers.values() for e in ids})
         self.set_versions(w, info.get("versions", []))
+        w.weights = info.get("_weights", {})
         w.max_tokens = int(info.get("max_tokens", 0))
         w.d_ff = info.get("d_ff")
         w.kernel = dict(info.get("kernel") or {})
         w.pid = info.get("pid")
-        w.state, w.why = Health.HEALTHY, ""
+        w.state, w.why = Health.ADMITTING, "being brought to the served weights"
+        w.admitted_at = None
         w.backoff = 0.0
         w.last_heard = time.monotonic()
         w.ping_sent = None
@@ -358,9 +415,31 @@ class WorkerSet:
             fn(w)
 
     def _refuse(self, w: WorkerLink, why: str) -> None:
+        again = w.state == Health.REFUSED and w.why == why
         w.state, w.why = Health.REFUSED, why
         w.next_attempt = time.monotonic() + REFUSED_BACKOFF
-        log.error("worker %s refused: %s", w.url, why)
+        w.refusals += 1
+        (log.info if again else log.error)("worker %s refused: %s", w.url, why)
+
+    def admit(self, w: WorkerLink) -> None:
+        """``w`` holds the served weights: it takes traffic from now on."""
+        if w.state != Health.ADMITTING or w.conn is None:
+            return
+        w.state, w.why = Health.HEALTHY, ""
+        w.admitted_at = time.monotonic()
+
+    def refuse(self, w: WorkerLink, why: str) -> None:
+        """``w`` cannot serve what the gateway serves: drop its connection, retry slowly."""
+        if w.conn is not None:
+            for fn in self.on_down:
+                fn(w, why)
+            conn, w.conn = w.conn, None
+            w.control_queue = []
+            try:
+                conn.close()
+            except TransportError:
+                pass
+        self._refuse(w, why)
 
     def set_url(self, index: int, url: str) -> None:
         """A supervisor moved worker ``index`` (respawned elsewhere): reconnect there now."""
