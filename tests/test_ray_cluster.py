@@ -204,6 +204,57 @@ def test_sigterm_to_the_gateway_ends_its_actors(cluster, auto_gateway):
     assert HP.wait_until(lambda: not any(HP.pid_alive(p) for p in pids), timeout=30.0)
 
 
+UPDATE_CHECK = """
+import json, numpy as np
+from bench.versioned import VersionedReference
+from gateway.client import GatewayClient
+from tests.helpers_fault import steered_tokens
+ref = VersionedReference({D}, {F}, {E}, {K}, seed={SEED}, seeds={{1: {NEW}}})
+x = steered_tokens(ref.router, 12, touching=[2, 3], seed=4)
+with GatewayClient({url!r}, timeout=30) as c:
+    if {update}:
+        c.update("start", experts=[2, 3], version=1, seed={NEW}, timeout=30)
+        import time
+        t = time.monotonic() + 60
+        while c.update("status")["state"] == "loading" and time.monotonic() < t:
+            time.sleep(0.1)
+        c.update("advance", fraction=1.0)
+        c.update("finish")
+        while c.update("status")["state"] == "finishing" and time.monotonic() < t:
+            time.sleep(0.1)
+    y = c.forward(x, timeout=30)
+    got = c.last_expert_versions
+    print(json.dumps({{"versions": got, "ok": ref.matches(x, y, got), "state": c.update("status")["state"]}}))
+"""
+
+
+def test_a_ray_restarted_actor_serves_the_finished_update_not_its_start_up_weights(cluster):
+    """A hot update finished, then Ray restarts the worker actor hosting the updated experts:
+    it comes back with its configured (start-up) weights and is brought to the update's
+    version before it takes traffic; the answers say version 1 and equal that layer."""
+    proc, url = cluster.gateway("--ray-cpus-per-worker", "1")
+    try:
+        def run(update: bool) -> dict:
+            code = UPDATE_CHECK.format(D=D, F=F, E=E, K=K, SEED=SEED, NEW=SEED + 50, url=url, update=update)
+            r = cluster.python(code, timeout=120)
+            assert r.returncode == 0, r.stderr[-3000:]
+            return json.loads(r.stdout.strip().splitlines()[-1])
+
+        done = run(True)
+        assert done["state"] == "done" and done["ok"] and {done["versions"][k] for k in ("2", "3")} == {1}, done
+        victim = cluster.ping(url)["workers"][1]
+        assert victim["experts"] == [2, 3]
+        os.kill(victim["pid"], signal.SIGKILL)
+        assert HP.wait_until(lambda: (lambda w: w["state"] == "healthy" and w["pid"] != victim["pid"])(
+            cluster.ping(url)["workers"][1]), timeout=180, interval=0.5), "the actor did not come back"
+        again = run(False)
+        assert again["ok"] and {again["versions"][k] for k in ("2", "3")} == {1}, again
+        pong = cluster.ping(url)
+        assert [2, 1, [1]] in pong["workers"][1]["versions"] and pong["admission"]["synced"] >= 1
+    finally:
+        stop_process(proc, timeout=60.0)
+
+
 @pytest.mark.parametrize("flags,transports,n_workers", [
     # 2 per node, filled node by node, every expert twice: all tcp, the head's workers too
     (["--ray-transport", "tcp", "--ray-strategy", "pack", "--ray-workers-per-node", "2",
