@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -155,11 +155,15 @@ class Client:
     """A well-behaved client on a raw transport connection: each request gets a fresh id and
     its reply is matched by id, so duplicates and losses are seen (GatewayClient hides them)."""
 
-    def __init__(self, url: str, secret: Optional[bytes], tally: Tally, deadline: float) -> None:
+    def __init__(self, url: str, secret: Optional[bytes], tally: Tally, deadline: float,
+                 checker: Optional[Callable] = None) -> None:
         import transport
 
         self.conn = transport.connect(url, slot_size=1 << 16, nslots=4, timeout=10.0, secret=secret)
         self.tally, self.deadline = tally, deadline
+        # checker(x, y, {expert: version}, t_sent, t_done) -> ok/wrong/stale/mixed: with hot updates
+        # the right answer is the layer at the versions the answer names (bench/chaos_updates.py)
+        self.checker = checker
         self.ids = itertools.count(1)
         self.done: set = set()
         self.abandoned: set = set()
@@ -204,8 +208,12 @@ class Client:
                 self.done.add(rid)
                 if h.get("op") == P.RESULT:
                     y = msg.array(0, np.float32, tuple(h["shape"]))
-                    ok = y.shape == y_ref.shape and np.allclose(y, y_ref, rtol=1e-4, atol=1e-5)
-                    result = "ok" if ok else "wrong"
+                    if self.checker is not None:
+                        ev = h.get("expert_versions") or []
+                        result = self.checker(x, y, {int(e): int(v) for e, v in ev}, t0, time.monotonic())
+                    else:
+                        ok = y.shape == y_ref.shape and np.allclose(y, y_ref, rtol=1e-4, atol=1e-5)
+                        result = "ok" if ok else "wrong"
                 else:
                     result = f"error:{h.get('code')}"
             self.tally.add(Outcome(t0, time.monotonic(), result, experts, source))
@@ -551,6 +559,25 @@ class Run:
         self.threads: list[threading.Thread] = []
         self.t0 = time.monotonic()
         self.churn_pause, self.churn_idle = threading.Event(), threading.Event()
+        self.book = self.versions = self.driver = None
+        if args.updates:
+            from bench.chaos_updates import VersionBook
+            from bench.versioned import VersionedReference
+
+            self.book = VersionBook(N_EXPERTS)
+            self.versions = VersionedReference(D_MODEL, D_FF, N_EXPERTS, TOP_K, seed=args.seed)
+
+    def client(self, tally: Optional[Tally] = None) -> "Client":
+        return Client(self.cluster.url, self.secret, tally or self.tally, self.args.deadline,
+                      checker=self._check if self.book is not None else None)
+
+    def _check(self, x, y, versions: dict, t0: float, t1: float) -> str:
+        """With hot updates: right at the versions it names, each served during its life."""
+        if not self.versions.matches(x, y, versions):
+            return "wrong"
+        if not all(self.book.allowed(e, v, t0, t1) for e, v in versions.items()):
+            return "stale"
+        return "mixed" if self.book.mixed(versions, t0, t1) else "ok"
 
     def _settled_resources(self) -> dict:
         """Resources with the churn paused (its clients come and go: a descriptor or two)."""
@@ -569,7 +596,7 @@ class Run:
         while not self.stop.is_set():
             try:
                 if client is None:
-                    client = Client(self.cluster.url, self.secret, self.tally, self.args.deadline)
+                    client = self.client()
                 x, y, ex = rng.choice(self.layer.pairs)
                 client.request(x, y, ex, "steady")
                 time.sleep(self.args.pace)
@@ -592,7 +619,7 @@ class Run:
                 continue
             self.churn_idle.clear()
             try:
-                c = Client(self.cluster.url, self.secret, self.tally, self.args.deadline)
+                c = self.client()
             except Exception as e:
                 log(f"churn client could not connect: {e}")
                 time.sleep(0.5)
@@ -612,7 +639,7 @@ class Run:
     def _p99_window(self, seconds: float) -> list:
         lat = []
         tally = Tally()
-        c = Client(self.cluster.url, self.secret, tally, self.args.deadline)
+        c = self.client(tally)
         try:
             end = time.monotonic() + seconds
             i = 0
@@ -695,7 +722,7 @@ class Run:
             else:
                 try:
                     if c is None:
-                        c = Client(self.cluster.url, self.secret, self.tally, self.args.deadline)
+                        c = self.client()
                     if c.request(*probe, "probe") == "ok":
                         c.close()
                         return time.monotonic() - t0
@@ -790,9 +817,16 @@ class Run:
             hostile = [Crowd(url, self.backend, self.secret_file, counts) for url, counts in targets_bg]
             n_before = len(self.tally.outcomes)
             self.t0 = time.monotonic()
-            log(f"chaos for {a.duration:.0f} s")
+            log(f"chaos for {a.duration:.0f} s" + (" with hot updates" if self.book is not None else ""))
+            if self.book is not None:
+                from bench.chaos_updates import UpdateDriver
+
+                self.driver = UpdateDriver(self.cluster.url, self.secret, self.book, self.versions,
+                                           gap=a.update_gap, seed=a.seed + self.replicas, log=log).start()
             self._chaos(self.t0 + a.duration)
             chaos_s = time.monotonic() - self.t0
+            if self.driver is not None:
+                report["updates"] = self._end_updates()
             log("chaos over; letting the last requests finish")
             t = time.monotonic()
             while time.monotonic() - t < 30 and not all(self._healthy(i, None) for i in range(2)):
@@ -820,6 +854,20 @@ class Run:
         report["targets"] = targets(report)
         log(f"== {name}: done")
         return report
+
+    def _end_updates(self) -> dict:
+        """Stop the update driver (a running update is rolled back) and say what it did."""
+        from gateway.client import GatewayClient
+
+        counts = self.driver.close()
+        try:
+            with GatewayClient(self.cluster.url, timeout=10.0, secret=self.secret) as c:
+                self.driver.finish(c)
+        except Exception as e:
+            log(f"could not end the last update: {e}")
+        pong = self._ping() or {}
+        return {"commands": counts, "spans": len(self.book.spans), "admission": pong.get("admission"),
+                "served_generation": (pong.get("served") or {}).get("generation")}
 
     def summarize(self, n_before: int) -> dict:
         outs = self.tally.outcomes
@@ -852,6 +900,7 @@ class Run:
         return {
             "requests": {"sent": sent, "ok": counts.get("ok", 0), "failed": sum(errors.values()),
                          "failed_by_code": errors, "wrong": counts.get("wrong", 0), "lost": counts.get("lost", 0),
+                         "stale": counts.get("stale", 0), "mixed": counts.get("mixed", 0),
                          "duplicated": self.tally.duplicated, "late": self.tally.late,
                          "send_failed": self.tally.send_failed, "unexpected_failures": len(unexpected),
                          "unexpected_examples": unexpected[:10], "lost_examples": lost[:10],
@@ -891,6 +940,9 @@ def targets(r: dict) -> list[dict]:
     add("wrong 0", q["wrong"] == 0, q["wrong"])
     add("lost 0", q["lost"] == 0, q["lost"])
     add("duplicated 0", q["duplicated"] == 0, q["duplicated"])
+    if "updates" in r:
+        add("answers from versions not served at that moment 0", q.get("stale", 0) == 0, q.get("stale", 0))
+        add("answers mixing an update's sides 0", q.get("mixed", 0) == 0, q.get("mixed", 0))
     if r["replicas"] > 1:
         add("replicated: 0 failed requests", q["failed"] == 0, q["failed"])
     else:
@@ -962,6 +1014,12 @@ def print_report(doc: dict, out=None) -> None:
             f"{role} rss {base[role]['rss_kb'] and base[role]['rss_kb'] // 1024}->"
             f"{end[role]['rss_kb'] and end[role]['rss_kb'] // 1024} MiB fds {base[role]['fds']}->{end[role]['fds']}"
             for role in base) + f"; /dev/shm {len(r['baseline']['dev_shm'])}->{len(r['end']['dev_shm'])} entries")
+        if "updates" in r:
+            u, adm = r["updates"], r["updates"].get("admission") or {}
+            p(f"    hot updates: {u['commands']}; returning workers brought to the served weights: "
+              f"{adm.get('synced', 0)} (median {_ms(adm.get('sync_seconds_median'))} ms, max "
+              f"{_ms(adm.get('sync_seconds_max'))} ms), refused {adm.get('refused', 0)}; stale answers "
+              f"{r['requests']['stale']}, mixed {r['requests']['mixed']}")
         for t in r["targets"]:
             p(f"    [{'met' if t['met'] else 'MISSED' if t['met'] is False else 'n/a'}] {t['target']} ({t['value']})")
     p("")
@@ -1033,6 +1091,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bg-half", type=int, default=20, help="half-open handshakes during the chaos")
     p.add_argument("--bg-nonreaders", type=int, default=2, help="clients that never read, during the chaos")
     p.add_argument("--bg-garbage", type=int, default=4, help="connections sending garbage, during the chaos")
+    p.add_argument("--updates", action="store_true",
+                   help="also run hot updates at random (start, advance, finish, rollback) while workers are "
+                        "killed and stopped; every answer is checked against the versions it names")
+    p.add_argument("--update-gap", type=_pair, default=(0.5, 2.0),
+                   help="with --updates: pause between update commands, LO,HI seconds")
     p.add_argument("--seed", type=int, default=0, help="layer weights, tokens and the chaos schedule")
     p.add_argument("--secret-file", default=None, help="shared secret (default: a fresh 0600 temporary file)")
     p.add_argument("--log-dir", default=None, help="write the services' stderr here (default: discard)")
@@ -1065,7 +1128,7 @@ def run(args) -> int:
         "deadline": args.deadline, "worker_timeout": args.worker_timeout, "gap": list(args.gap),
         "down": list(args.down), "stop_fraction": args.stop_fraction, "max_connections": args.max_connections,
         "idle_timeout": args.idle_timeout, "hostile_idle": args.hostile_idle, "hostile_half": args.hostile_half,
-        "p99_seconds": args.p99_seconds, "seed": args.seed,
+        "p99_seconds": args.p99_seconds, "seed": args.seed, "updates": args.updates,
         "bg": {"idle": args.bg_idle, "half_open": args.bg_half, "nonreaders": args.bg_nonreaders,
                "garbage": args.bg_garbage},
         "layer": {"d_model": D_MODEL, "d_ff": D_FF, "n_experts": N_EXPERTS, "top_k": TOP_K,

@@ -7,6 +7,7 @@ one computed with other weights than it says, under hot updates and restarts ali
 """
 from __future__ import annotations
 
+import threading
 from typing import Mapping, Optional
 
 import numpy as np
@@ -24,6 +25,7 @@ class VersionedReference:
         self.router = Router(d_model, n_experts, top_k, seed=seed)
         self.seeds = {0: seed, **dict(seeds or {})}
         self._experts: dict = {}
+        self._lock = threading.Lock()  # an expert's scratch is not for two threads at once
 
     def add_version(self, version: int, seed: int) -> None:
         self.seeds[int(version)] = int(seed)
@@ -58,4 +60,6 @@ class VersionedReference:
         """Whether ``y`` is the layer at exactly ``versions`` (every expert ``x`` uses named)."""
         if set(self.used(x)) - set(versions):
             return False
-        return y.shape == x.shape and bool(np.allclose(y, self.forward(x, versions), rtol=rtol, atol=atol))
+        with self._lock:
+            want = self.forward(x, versions)
+        return y.shape == x.shape and bool(np.allclose(y, want, rtol=rtol, atol=atol))

@@ -32,7 +32,7 @@ def test_a_short_chaos_run_keeps_its_invariants(tmp_path):
     assert "error" not in run, run
     q = run["requests"]
     assert q["wrong"] == 0 and q["lost"] == 0 and q["duplicated"] == 0, q
-    assert q["sent"] == q["ok"] + q["failed"] + q["wrong"] + q["lost"]
+    assert q["sent"] == q["ok"] + q["failed"] + q["wrong"] + q["lost"] + q["stale"] + q["mixed"]
     assert q["failed"] == sum(q["failed_by_code"].values())
     assert set(q["failed_by_code"]) <= {"unavailable", "worker_failed"}, q["failed_by_code"]
     assert q["unexpected_failures"] == 0, q["unexpected_examples"]
@@ -51,3 +51,25 @@ def test_a_short_chaos_run_keeps_its_invariants(tmp_path):
     assert "tcp r1 external" in r.stdout and "[met] wrong 0" in r.stdout, r.stdout[-3000:]
     assert r.returncode in (0, 1)  # 1: a target missed (a benchmark on a shared machine, not a test)
     assert shm_entries() - shm_before == set()
+
+
+def test_a_short_chaos_run_with_hot_updates_never_answers_from_weights_not_served(tmp_path):
+    """`--updates`: updates start, advance, finish and roll back at random while the gateway's
+    local workers are killed and respawned; every answer equals the layer at the versions it
+    names, and those were served at that moment; returning workers were brought to them."""
+    out = tmp_path / "chaos.json"
+    argv = [sys.executable, "-m", "bench.cli", "chaos", "--updates", "--backend", "shm", "--replicas", "2",
+            "--workers", "local", "--duration", "25", "--warmup", "2", "--p99-seconds", "1", "--hostile-idle", "20",
+            "--hostile-half", "5", "--gap", "0.3,1", "--down", "0.3,1", "--update-gap", "0.2,0.6",
+            "--stop-fraction", "0", "--json", str(out)]
+    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=220,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.exists(), r.stderr[-3000:]
+    (run,) = json.loads(out.read_text())["configs"]
+    assert "error" not in run, run
+    q, up = run["requests"], run["updates"]
+    assert q["wrong"] == 0 and q["stale"] == 0 and q["mixed"] == 0 and q["lost"] == 0, q
+    assert q["ok"] > 0 and up["commands"].get("started", 0) >= 1, up
+    assert up["commands"].get("done", 0) + up["commands"].get("rolled_back", 0) >= 1, up
+    assert up["admission"]["synced"] >= 1 and up["admission"]["refused"] == 0, up
+    assert "[met] answers from versions not served at that moment 0" in r.stdout, r.stdout[-3000:]
