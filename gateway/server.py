@@ -255,7 +255,7 @@ class GatewayServer:
                                                 weights=h.get("weights"), seed=h.get("seed"),
                                                 checkpoint=h.get("checkpoint"))
             if action == "served":
-                return {"state": "served", **self.pool.served.status(),
+                return {"state": "served", **self.pool.served.status(), "update": self.pool.rollout.status(),
                         "admission": self.pool.admission.snapshot()}
             if action == "start":
                 return self.pool.rollout.start(h.get("experts"), h.get("version"), weights=h.get("weights"),

@@ -14,7 +14,9 @@ reconnect), and a hot update takes a checkpoint layer as its new version.
 from __future__ import annotations
 
 import gc
+import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -288,6 +290,18 @@ def test_hot_update_to_a_checkpoint_layer(saved, tmp_path):
             versions = {(v[3] if len(v) > 3 else 0, v[0]): v[1] for w in c.ping()["workers"] for v in w["versions"]}
             assert {k: v for k, v in versions.items() if k[0] == 1} == {(1, e): 1 for e in range(4)}
             assert {k: v for k, v in versions.items() if k[0] == 0} == {(0, e): 0 for e in range(4)}
+            # a local worker respawned from its start-up checkpoint is brought to layer 1's version 1
+            # (loaded from DIR2, its fingerprint checked) before it answers again
+            pid = c.ping()["workers"][0]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            assert wait_until(lambda: (lambda w: w["state"] == "healthy" and w["pid"] != pid)(
+                c.ping()["workers"][0]), timeout=60, interval=0.1)
+            assert err(c.forward(as_numpy(x[1]), layer=1), want_new) <= TOL["float32"]
+            assert err(c.forward(as_numpy(x[0]), layer=0), want_old[0]) <= TOL["float32"]
+            assert set(c.last_expert_versions.values()) == {0}
+            pong = c.ping()
+            assert pong["admission"]["synced"] >= 1
+            assert [e for e, v, held, *L in pong["workers"][0]["versions"] if L == [1] and (v, held) == (1, [1])]
     shutil.rmtree(upd, ignore_errors=True)
 
 
