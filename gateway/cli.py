@@ -11,7 +11,7 @@
     moe-gateway update --gateway tcp://127.0.0.1:7000 advance       # 1% -> 5% -> 25% -> 50% -> 100%
     moe-gateway update --gateway tcp://127.0.0.1:7000 finish        # (or rollback)
     moe-gateway update --gateway tcp://127.0.0.1:7000 served        # every expert's served version
-    moe-gateway update --gateway tcp://127.0.0.1:7000 settle --experts 2 --version 1   # workers disagreed
+    moe-gateway update --gateway tcp://127.0.0.1:7000 settle --experts 2 --serve-version 1   # workers disagreed
 
 Prints ``LISTENING <url>`` as its first stdout line. SIGTERM: stop accepting, answer what
 is queued and in flight, stop the local workers, exit 0.
@@ -375,7 +375,7 @@ def add_update_parser(sub) -> argparse.ArgumentParser:
                          help="serve this version of experts whose workers disagree (or any); every host is "
                               "brought to it before it takes traffic again")
     se.add_argument("--experts", required=True, type=options.int_list, help="e.g. 3 or 0-3 or 1,5")
-    se.add_argument("--version", dest="version", type=int, required=True, metavar="N",
+    se.add_argument("--serve-version", dest="version", type=int, required=True, metavar="N",
                     help="the version to serve (its source: as given, else as a worker holding it reports)")
     se_src = se.add_mutually_exclusive_group()
     se_src.add_argument("--weights", help=".npz (SwiGLUExpert.save_many) in the workers' --update-dir")

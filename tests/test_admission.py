@@ -295,9 +295,9 @@ def test_a_restarted_gateway_refuses_experts_its_workers_disagree_on_until_settl
             answer(c, ref, x_other, {})
             served = cli(gw2.url, "served")
             assert [b[:2] for b in served["blocked"]] == [[0, 2]]
-            bad = cli(gw2.url, "settle", "--experts", "2", "--version", "9", ok=False)
+            bad = cli(gw2.url, "settle", "--experts", "2", "--serve-version", "9", ok=False)
             assert bad["rc"] == 2 and "no connected worker holds version 9" in bad["stderr"]
-            st = cli(gw2.url, "settle", "--experts", "2", "--version", "1")
+            st = cli(gw2.url, "settle", "--experts", "2", "--serve-version", "1")
             assert st["state"] == "settled" and st["generation"] == 2
             assert wait_until(lambda: _answers(c, ref, x2, {2: 1}), timeout=30)
             assert [2, 1, [1]] in c.ping()["workers"][2]["versions"]
