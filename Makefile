@@ -3,43 +3,65 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# two install stamps: what the demo needs (`make run`), and everything (`make test`)
+RUN_STAMP := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-# Debian packages: pyverbs/rdma-core (not on PyPI), and the real services the ops tests run
-# gcc and python3-dev: setup.py compiles shm://'s and rdma://'s fast paths (transport/_shmfast.c,
-# transport/_rdmafast.c; libibverbs-dev for the latter's verbs.h)
-APT_PKGS := python3-pyverbs rdma-core ibverbs-providers iproute2 docker-compose prometheus gcc python3-dev libibverbs-dev
+# Debian packages. The demo's: gcc and python3-dev, since setup.py compiles shm://'s fast
+# path and the gateway's combine (transport/_shmfast.c, gateway/_combine.c).
+RUN_APT_PKGS := gcc python3-dev
+# The rest, for `make test`: pyverbs/rdma-core (not on PyPI), libibverbs-dev for rdma://'s
+# fast path (transport/_rdmafast.c needs verbs.h), and the real services the ops tests run
+TEST_APT_PKGS := python3-pyverbs rdma-core ibverbs-providers libibverbs-dev iproute2 docker-compose prometheus
 BACKEND ?= shm
 TORCH_VERSION ?= 2.13.0
 OUT := build
 
-.PHONY: deps native run test test-host test-rdma bench bench-micro bench-rdma bench-moe bench-chunks bench-load bench-ray compose-check k8s-check secret clean
+.PHONY: deps native native-run run test test-host test-rdma docs bench bench-micro bench-rdma bench-moe bench-chunks bench-load bench-ray compose-check k8s-check secret clean
 
-$(STAMP): setup.cfg pyproject.toml setup.py
-	@missing=$$(for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+# installs the Debian packages of $(1) that are missing
+define apt_install
+	@missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then echo "apt: installing $$missing"; \
 	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $$missing; fi
+endef
+
+# the demo's needs only: the package without extras (numpy, msgpack, threadpoolctl,
+# prometheus_client) and a C compiler for its fast paths
+$(RUN_STAMP): setup.cfg pyproject.toml setup.py
+	$(call apt_install,$(RUN_APT_PKGS))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -q -U pip setuptools wheel
+	$(PY) -m pip install -q -e .
+	touch $@
+
+# everything the tests, benchmarks and docs use
+$(STAMP): $(RUN_STAMP) setup.cfg pyproject.toml setup.py
+	$(call apt_install,$(TEST_APT_PKGS))
 	@# the [torch] extra: torch's CPU build first (plain `torch` resolves to the CUDA build,
 	@# several GB; on this machine pip finds 2.13.0+cpu in its local wheel directory)
 	$(PY) -m pip install -q 'torch==$(TORCH_VERSION)'
-	$(PY) -m pip install -q -e '.[test,bench,torch,ray]'
+	$(PY) -m pip install -q -e '.[test,bench,torch,ray,docs]'
 	@# pyverbs comes from Debian (python3-pyverbs), not PyPI: link it into the venv
 	ln -sfn /usr/lib/python3/dist-packages/pyverbs "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/pyverbs"
 	touch $@
 
 deps: $(STAMP) native
 
-# the compiled fast paths: `pip install -e` builds them in place; this rebuilds them when
-# the C sources change (shm:// and rdma:// run their Python paths where they are not built)
+# the compiled fast paths: `pip install -e` builds them in place; these rebuild them when
+# the C sources change (shm:// and rdma:// run their Python paths where they are not built).
+# The demo's two need gcc and python3-dev only; rdma://'s also needs verbs.h (libibverbs-dev).
 EXT := $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-NATIVE := transport/_shmfast$(EXT) transport/_rdmafast$(EXT) gateway/_combine$(EXT)
-$(NATIVE) &: transport/_shmfast.c transport/_rdmafast.c transport/_fastpath.h gateway/_combine.c setup.py | $(STAMP)
+NATIVE_RUN := transport/_shmfast$(EXT) gateway/_combine$(EXT)
+NATIVE := $(NATIVE_RUN) transport/_rdmafast$(EXT)
+$(NATIVE_RUN) &: transport/_shmfast.c transport/_fastpath.h gateway/_combine.c setup.py | $(RUN_STAMP)
 	$(PY) setup.py -q build_ext --inplace
+transport/_rdmafast$(EXT): transport/_rdmafast.c transport/_fastpath.h setup.py | $(STAMP)
+	$(PY) setup.py -q build_ext --inplace
+native-run: $(NATIVE_RUN)
 native: $(NATIVE)
 
-run: $(STAMP) native
+run: $(RUN_STAMP) native-run
 	$(PY) -m gateway.demo --backend $(BACKEND)
 
 test: $(STAMP) native
@@ -47,11 +69,17 @@ test: $(STAMP) native
 	@# rdma-marked tests need a device: they run in the rxe guest below (on the host they would only skip)
 	@# MOE_REQUIRE_TORCH=1: the transformers checks fail rather than skip if the extra is missing
 	@# MOE_REQUIRE_NATIVE=1: the compiled fast paths must have been built (their tests fail, not skip)
+	@# the docs site first: a broken link, anchor or page fails the build
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(OUT)/site
 	MOE_REQUIRE_TORCH=1 MOE_REQUIRE_NATIVE=1 $(PY) -m pytest -q -p no:cacheprovider -m "not rdma" --junitxml=$(OUT)/junit-host.xml tests
 	@# the guest has no torch: transformers' outputs and the checkpoints it checks come from here
 	$(PY) -m tests.models_fixture
 	$(PY) -m tests.rxe.vm test --out $(OUT)/rdma -- tests/rdma -q
 	$(PY) -m tests.summary $(OUT)/junit-host.xml $(OUT)/rdma/junit.xml
+
+# the docs site (docs/, mkdocs.yml) into site/; `$(VENV)/bin/mkdocs serve` to browse it
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
 
 test-host: $(STAMP) native
 	MOE_REQUIRE_TORCH=1 MOE_REQUIRE_NATIVE=1 $(PY) -m pytest -q -m "not rdma" tests
@@ -111,4 +139,4 @@ bench-micro: $(STAMP) native
 	$(PY) -m pytest -q -p no:cacheprovider bench/micro --benchmark-only --benchmark-columns=min,median,mean,ops
 
 clean:
-	rm -rf $(OUT) bench-results .pytest_cache
+	rm -rf $(OUT) bench-results .pytest_cache site

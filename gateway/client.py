@@ -1,6 +1,7 @@
 """``GatewayClient``: submit token batches to a moe-gateway and get the MoE outputs.
 
     with GatewayClient("tcp://127.0.0.1:7000") as c:
+        x = np.ones((16, c.d_model), c.dtype)  # the gateway's width and wire dtype
         y = c.forward(x, timeout=5.0)          # x: (T, d_model) float32
         y = c.forward(x, layer=3)              # a gateway serving a checkpoint: layer 3
         reply, release = c.send(3, x)          # zero copy: reply views the reply message
@@ -76,6 +77,7 @@ class GatewayClient:
         self.last_expert_versions: Optional[dict] = None
         #: the gateway's served set (its generation) the last result was routed under
         self.last_served_set: Optional[int] = None
+        self._shape: Optional[dict] = None  # the gateway's d_model and dtype, asked once
 
     def forward(self, x: np.ndarray, *, timeout: Optional[float] = None,
                 out: Optional[np.ndarray] = None, layer: Optional[int] = None) -> np.ndarray:
@@ -233,6 +235,30 @@ class GatewayClient:
             self.conn.send(P.request(P.PING, rid), timeout=timeout)
             self._waiting.add(rid)
         return self.result(rid, timeout=timeout)
+
+    def info(self, timeout: Optional[float] = None) -> dict:
+        """The gateway's configuration (its pong's ``config``): d_model, dtype, n_experts,
+        top_k, layers, the batching and chunking settings and auto's chunk costs."""
+        config = self.ping(timeout)["config"]
+        self._shape = {"d_model": int(config["d_model"]), "dtype": str(config["dtype"])}
+        return config
+
+    def _layer_shape(self) -> dict:
+        if self._shape is None:  # asked once: a gateway's width and dtype never change
+            self.info()
+        assert self._shape is not None
+        return self._shape
+
+    @property
+    def d_model(self) -> int:
+        """The width of the rows the gateway takes (``x`` is (T, d_model))."""
+        return self._layer_shape()["d_model"]
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The activations' dtype on the wire (float32; bfloat16 as ml_dtypes' type, or uint16
+        bits where ml_dtypes is absent): what ``forward`` takes and returns."""
+        return P.wire_dtype(self._layer_shape()["dtype"])
 
     def update(self, action: str, *, timeout: Optional[float] = None, **fields: Any) -> dict:
         """A hot-update command (start, advance, finish, rollback, status): the update's

@@ -73,6 +73,16 @@ def _cluster(c):
     return c
 
 
+def test_the_client_reads_the_layers_width_and_dtype_from_the_gateway(cluster, reference):
+    c = _cluster(cluster)
+    with GatewayClient(c.whole.url, timeout=10.0) as client:
+        info = client.info()
+        assert (info["d_model"], info["dtype"], info["n_experts"], info["top_k"]) == (D, "float32", E, K)
+        assert client.d_model == D and client.dtype == np.float32
+        x = tokens(5).astype(client.dtype)[:, :client.d_model]
+        np.testing.assert_allclose(client.forward(x), reference.forward(x)[0], **TOL)
+
+
 def test_concurrent_clients_are_batched_into_one_round(cluster, reference):
     c = _cluster(cluster)
     n = 4

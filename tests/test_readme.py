@@ -1,6 +1,7 @@
-"""Every example in README.md runs as written, top to bottom, as a new user would: the
-```sh and ```python blocks are extracted and run in a fresh directory with a fresh config
-home (no secret yet). What is substituted, and only that:
+"""Every example in README.md and in the docs site (docs/*.md) runs as written, top to bottom,
+as a new user would: each page's ```sh and ```python blocks are extracted and run in a fresh
+directory with a fresh config home (no secret yet), one page at a time (a page's later blocks
+talk to the services its earlier ones started). What is substituted, and only that:
 
 - addresses: other hosts' (10.0.0.x, 0.0.0.0) become loopback, each host:port a free
   loopback port (fixed ports too, so parallel runs cannot collide), rdma:// becomes tcp://
@@ -19,7 +20,14 @@ for real), benchmark lines by their own parser and validation. So are the other 
 recipes, which must not touch the machine's network here: ``ray start`` lines by Ray's own
 CLI parser, a ``moe-gateway --placement ray`` line by the gateway's, ``kubectl apply -f DIR``
 by the manifests it names existing; tests/test_ray_cluster.py and tests/test_k8s.py run them
-for real inside network namespaces. The compose deployment is tests/test_deploy.py's."""
+for real inside network namespaces. The compose deployment is tests/test_deploy.py's. Install
+lines are checked, not run (they would change this machine): ``pip install`` names only
+extras setup.cfg has, ``apt-get install`` only packages the Makefile installs.
+
+Blocks in any other language (```text: output, wire layouts) are not run. Each page's count
+of runnable blocks, services and engines is pinned below, so a new block is run or fails
+this test, never skipped. README's links must point at files that exist; the docs' own links
+are mkdocs build --strict's (``make test``)."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +48,7 @@ from transport.service.launch import blas_env, spawn_service, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 PROGRAMS = {"moe-worker": "workers.cli", "moe-gateway": "gateway.cli", "moe-bench": "bench.cli"}
 pytestmark = pytest.mark.timeout(300)
 
@@ -61,15 +70,36 @@ def tiny_qwen_moe(path: Path) -> Path:
     return path
 
 
-def blocks() -> list[tuple[str, str, str]]:
-    """(language, code, the section heading above it) for every ```sh / ```python block."""
+def pages() -> list[Path]:
+    return [README, *sorted(DOCS.rglob("*.md"))]
+
+
+def page_id(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def blocks(page: Path = README) -> list[tuple[str, str, str]]:
+    """(language, code, the section heading above it) for every ```sh / ```python block;
+    other fences (```text) are skipped whole, so nothing inside them counts."""
     out, heading = [], ""
-    for m in re.finditer(r"^(#+ [^\n]*)$|^```(sh|python)\n(.*?)^```", README.read_text(), re.M | re.S):
+    for m in re.finditer(r"^(#+ [^\n]*)$|^```(\w*)\n(.*?)^```", page.read_text(), re.M | re.S):
         if m.group(1):
             heading = m.group(1).lstrip("# ")
-        else:
+        elif m.group(2) in ("sh", "python"):
             out.append((m.group(2), m.group(3), heading))
     return out
+
+
+def makefile_apt_packages() -> set[str]:
+    text = (ROOT / "Makefile").read_text()
+    return {p for m in re.finditer(r"^\w*APT_PKGS := (.*)$", text, re.M) for p in m.group(1).split()}
+
+
+def setup_extras() -> set[str]:
+    import configparser
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    return set(cfg["options.extras_require"])
 
 
 def free_port() -> int:
@@ -88,7 +118,15 @@ class Runner:
         self.env = blas_env(1, {k: v for k, v in os.environ.items() if k != "MOE_SECRET_FILE"})
         self.env.update(XDG_CONFIG_HOME=str(tmp / "config"), PYTHONPATH=str(ROOT))
         self.suffix = f"readme{os.getpid()}"
-        self.checkpoint = tiny_qwen_moe(tmp / "qwen-moe")
+        self._checkpoint: Path | None = None
+        self.checked: list = []  # install lines checked, not run
+
+    @property
+    def checkpoint(self) -> Path:
+        """The tiny checkpoint, made the first time a block names /models/qwen-moe."""
+        if self._checkpoint is None:
+            self._checkpoint = tiny_qwen_moe(self.tmp / "qwen-moe")
+        return self._checkpoint
 
     # -- substitutions -----------------------------------------------------------------------
     def url(self, m: re.Match) -> str:
@@ -100,7 +138,8 @@ class Runner:
         return f"tcp://127.0.0.1:{port}"
 
     def text(self, s: str) -> str:
-        s = s.replace(CHECKPOINT, str(self.checkpoint))
+        if CHECKPOINT in s:
+            s = s.replace(CHECKPOINT, str(self.checkpoint))
         s = re.sub(r"\b(tcp|rdma)://([\w.]+):(\d+)", self.url, s)
         return re.sub(r"\b(shm)://([\w-]+)()", self.url, s)
 
@@ -134,7 +173,9 @@ class Runner:
             if words and words[-1] == "&":
                 words = words[:-1]
             prog = words[0]
-            if prog == "make":
+            if prog in ("pip", "apt-get"):
+                self.install(words)
+            elif prog == "make":
                 self.make(words)
             elif prog in ("ray", "kubectl") or "--placement" in words:
                 self.engine(words)
@@ -158,6 +199,23 @@ class Runner:
         p = subprocess.run([sys.executable, "-c", self.text(code)], cwd=self.tmp, env=self.env, capture_output=True,
                            text=True, timeout=120)
         assert p.returncode == 0, (code, p.stdout[-2000:], p.stderr[-3000:])
+
+    def install(self, words: list[str]) -> None:
+        """An install line names what this project installs: extras setup.cfg has, Debian
+        packages the Makefile installs. Checked, not run (it would change this machine)."""
+        assert words[1] == "install", words
+        self.checked.append(words)
+        if words[0] == "pip":
+            targets = [w for w in words[2:] if not w.startswith("-")]
+            assert targets, words
+            for t in targets:
+                m = re.fullmatch(r"\.(?:\[([\w,]+)\])?", t)
+                assert m, f"pip install of {t!r}: only this checkout (., .[extra,...]) is documented"
+                unknown = set((m.group(1) or "").split(",")) - {""} - setup_extras()
+                assert not unknown, f"extras {unknown} are not in setup.cfg"
+        else:
+            pkgs = [w for w in words[2:] if not w.startswith("-")]
+            assert pkgs and set(pkgs) <= makefile_apt_packages(), (pkgs, makefile_apt_packages())
 
     def make(self, words: list[str]) -> None:
         """A make target is dry-run (the commands it would run must exist); ``make run``'s
@@ -209,43 +267,120 @@ class Runner:
             stop_process(proc, timeout=15.0)
 
 
-def test_readme_blocks_are_the_ones_this_test_knows():
+#: per page: python blocks, sh blocks, services started (gateways among them), engines' commands
+#: checked, install lines checked. A page not listed here, or a block more or less, fails.
+EXPECTED = {
+    "README.md": (2, 3, 1, 1, [], 2),
+    "docs/benchmarks.md": (0, 1, 0, 0, [], 0),
+    "docs/getting-started/install.md": (0, 2, 0, 0, [], 7),
+    "docs/getting-started/quick-start.md": (2, 2, 2, 4, [], 0),
+    "docs/layer/batching.md": (0, 1, 1, 1, [], 0),
+    "docs/layer/chunked-rounds.md": (0, 1, 1, 1, [], 0),
+    "docs/layer/gateway.md": (0, 1, 1, 1, [], 0),
+    "docs/layer/workers.md": (0, 1, 0, 1, [], 0),
+    "docs/multi-host.md": (0, 3, 1, 3, ["kubectl", "kubectl", "moe-gateway", "ray", "ray"], 0),
+    "docs/operations/hot-update.md": (0, 1, 1, 1, [], 0),
+    "docs/operations/metrics.md": (0, 1, 1, 1, [], 0),
+    "docs/operations/security.md": (0, 1, 1, 2, [], 0),
+    "docs/real-models.md": (1, 1, 2, 4, [], 0),
+    "docs/transport/index.md": (1, 0, 0, 0, [], 0),
+}
+RUNNABLE = [p for p in pages() if blocks(p)]
+
+
+def test_every_page_with_examples_is_known():
     """A new block is either run by this test or fails it: no silent skip."""
-    langs = [lang for lang, _, _ in blocks()]
-    assert langs.count("python") == 3 and langs.count("sh") >= 6
+    assert sorted(page_id(p) for p in RUNNABLE) == sorted(EXPECTED)
+    for page in RUNNABLE:
+        langs = [lang for lang, _, _ in blocks(page)]
+        assert (langs.count("python"), langs.count("sh")) == EXPECTED[page_id(page)][:2], page_id(page)
 
 
-def test_every_readme_example_runs_as_written(tmp_path):
+def test_readme_is_short_and_its_links_resolve():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 200
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [ln for ln in links if "://" not in ln]
+    assert local and all((ROOT / ln).is_file() for ln in local), [ln for ln in local if not (ROOT / ln).is_file()]
+
+
+def _forward_through_every_gateway(r: Runner, tmp_path: Path) -> None:
+    """What a page started is up and serves: every service's health, every gateway a pass
+    with rows of the width and dtype it reports."""
     from gateway.client import GatewayClient
 
+    for words, url, metrics in r.services:
+        if metrics is not None:
+            base = f"http://127.0.0.1:{metrics}"
+            with urllib.request.urlopen(base + "/readyz", timeout=5) as resp:
+                assert resp.status == 200 and json.loads(resp.read())["status"] == "ok"
+        if words[0] == "moe-gateway":
+            # the example's secret file, else the per-user default the services created
+            secret = tmp_path / words[words.index("--secret-file") + 1] if "--secret-file" in words else \
+                tmp_path / "config" / "moe-transport" / "secret"
+            with GatewayClient(url, timeout=30.0, secret_file=str(secret)) as c:
+                x = np.ones((4, c.d_model), c.dtype)
+                y = c.forward(x, layer=0 if CHECKPOINT in words else None)
+            assert y.shape == x.shape and np.isfinite(y.astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("page", RUNNABLE, ids=page_id)
+def test_every_example_runs_as_written(page, tmp_path):
     r = Runner(tmp_path)
     try:
-        for lang, code, heading in blocks():
+        for lang, code, heading in blocks(page):
             if lang == "python":
                 r.run_python(code)
             else:
                 r.run_sh(code)
-        # what the examples started is up and serves: every service's health, every gateway a pass
-        for words, url, metrics in r.services:
-            if metrics is not None:
-                base = f"http://127.0.0.1:{metrics}"
-                with urllib.request.urlopen(base + "/readyz", timeout=5) as resp:
-                    assert resp.status == 200 and json.loads(resp.read())["status"] == "ok"
-            if words[0] == "moe-gateway":
-                # the example's secret file, else the per-user default the services created
-                secret = tmp_path / words[words.index("--secret-file") + 1] if "--secret-file" in words else \
-                    tmp_path / "config" / "moe-transport" / "secret"
-                if CHECKPOINT in words:  # the real model's: bf16 on the wire (its workers' dtype)
-                    import ml_dtypes
-                    x, layer = np.ones((4, HIDDEN), ml_dtypes.bfloat16), 0
-                else:
-                    d = 1024 if "tcp://127.0.0.1:5000" in " ".join(words) else 256
-                    x, layer = np.ones((4, d), np.float32), None
-                with GatewayClient(url, timeout=30.0, secret_file=str(secret)) as c:
-                    y = c.forward(x, layer=layer)
-                assert y.shape == x.shape and np.isfinite(y.astype(np.float32)).all()
+        _forward_through_every_gateway(r, tmp_path)
         gateways = [w for w, _, _ in r.services if w[0] == "moe-gateway"]
-        assert len(gateways) == 5 and len(r.services) == 11
-        assert sorted(w[0] for w in r.engines) == ["kubectl", "kubectl", "moe-gateway", "ray", "ray"]
+        expected = EXPECTED[page_id(page)]
+        assert (len(gateways), len(r.services)) == expected[2:4]
+        assert sorted(w[0] for w in r.engines) == expected[4]
+        assert len(r.checked) == expected[5]
     finally:
         r.close()
+
+
+#: modules the demo must not need: `make run` installs the package without extras
+NOT_INSTALLED_BY_MAKE_RUN = ("torch", "ray", "zmq", "rich", "matplotlib", "hdrhistogram", "pyverbs", "ml_dtypes",
+                             "safetensors", "transformers", "psutil", "yaml", "mkdocs", "pytest")
+BLOCKER = """
+import importlib.abc, sys
+class _NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in %r:
+            raise ImportError(f"No module named {name!r} (not installed by make run)")
+sys.meta_path.insert(0, _NotInstalled())
+"""
+
+
+def test_make_run_installs_only_what_the_demo_needs(tmp_path):
+    """From a fresh clone (no venv yet) `make run` installs gcc, python3-dev and the package
+    without extras; the demo then runs, in every process it starts, with the extras' modules
+    made unimportable."""
+    venv = tmp_path / "venv"
+    p = subprocess.run(["make", "-n", "run", f"VENV={venv}", "SUDO=sudo", "-W", "transport/_shmfast.c"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "pip install -q -e .\n" in out and ".[" not in out and "torch" not in out
+    for pkg in ("docker-compose", "prometheus", "rdma-core", "pyverbs", "libibverbs-dev"):
+        assert pkg not in out, pkg
+    assert "build_ext --inplace" in out and out.rstrip().endswith("-m gateway.demo --backend shm")
+    full = subprocess.run(["make", "-n", "test", f"VENV={venv}", "SUDO=sudo"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60).stdout
+    assert "'.[test,bench,torch,ray,docs]'" in full and "mkdocs build --strict" in full
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKER % (NOT_INSTALLED_BY_MAKE_RUN,))
+    env = blas_env(1, dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{ROOT}", XDG_CONFIG_HOME=str(tmp_path / "cfg")))
+    env.pop("MOE_SECRET_FILE", None)
+    probe = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True, timeout=60)
+    assert probe.returncode != 0 and "not installed by make run" in probe.stderr  # the blocker is in force
+    r = subprocess.run([sys.executable, "-m", "gateway.demo", "--duration", "1"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "verify:" in r.stdout and "OK" in r.stdout and "tokens/s" in r.stdout
