@@ -928,7 +928,7 @@ def _within(base: Optional[int], end: Optional[int], frac: float = 0.10) -> Opti
 
 
 def targets(r: dict) -> list[dict]:
-    """The issue's targets, each met or missed (None: not measured)."""
+    """The fault-tolerance targets, each met or missed (None: not measured)."""
     out = []
 
     def add(name, met, value):

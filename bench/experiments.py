@@ -8,8 +8,8 @@ Every point starts its own gateway (local workers, the same load flags, one sett
 changed) and ramps it to its knee (bench.load's ramp: the highest rate with p99 TPOT within
 the SLO, no queue growth and no failed request). A sweep prints one row per value of
 n_experts, top_k or d_model: tokens/s at the knee with the mean and p99 latency there; a
-comparison prints one table per axis, each variant beside the first (today's default when
-the flags keep it), and the pipelining comparison is ``max_inflight_rounds=1,N``. The
+comparison prints one table per axis, each variant beside the first (the default when the
+flags keep it), and the pipelining comparison is ``max_inflight_rounds=1,N``. The
 figures are single runs on whatever machine runs them: the report gives the host and load
 average, and a difference smaller than the steps' own spread is not a finding.
 """

@@ -947,7 +947,7 @@ def _at_knee(run: dict) -> Optional[dict]:
 
 
 def _targets(ratios: list[dict], mode: str) -> list[dict]:
-    """The issue's targets, evaluated where this run measured them (a benchmark, not a test)."""
+    """The load targets, evaluated where this run measured them (a benchmark, not a test)."""
     out = []
     if mode != "ramp":
         return out

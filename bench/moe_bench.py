@@ -345,8 +345,8 @@ def warm_up(system: Any, forward: Callable[[int], Any], args: argparse.Namespace
         # not asked about the last REPROBE_EVERY forwards: the size model sends this batch
         # whole, and more forwards would not settle anything. Not after one: a size model
         # that priced chunks out sends one round in REPROBE_EVERY in chunks again, and a
-        # warm-up that stopped at the first whole round left auto probing in the timed
-        # forwards (a run at 8192 tokens then came out at -8% of the bound)
+        # warm-up that stops at the first whole round leaves auto probing in the timed
+        # forwards
         quiet = quiet + 1 if snap["asked"] == asked else 0
         if quiet >= REPROBE_EVERY:
             return n + extra
@@ -461,9 +461,9 @@ def measure(args: argparse.Namespace, dims: dict) -> dict:
                     continue
                 if name in timed_beside:
                     continue  # timed beside its twin
-                # a twin pair forward by forward: blocks of each in turn gave one of them the
-                # machine's slow spells of a few forwards (one system timed as two, in blocks
-                # of 4: its busiest worker up to 2.6 ms a forward apart; in turn, 0.3 ms)
+                # a twin pair forward by forward: blocks of each in turn give one of them the
+                # machine's slow spells of a few forwards (see
+                # docs/design.md#compare-in-the-same-run-on-the-same-processes)
                 for x in xs:
                     for one in (name, *twins.get(name, ())):
                         t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """`moe-bench moe --compute torch --dtype bfloat16`: the expert kernel served, beside its peers.
 
-Issue 12's figures, in one run, for 8 experts, top-2, d_model 1024, d_ff 2048, 2 workers and
+The served kernel's figures, in one run, for 8 experts, top-2, d_model 1024, d_ff 2048, 2 workers and
 batches of 256 and 1024 tokens (``--batch`` for one size, repeated for several; ``--quick`` for small dims):
 
 - ``direct``: the kernel alone, one thread, called in this process on exactly the token
@@ -15,7 +15,7 @@ batches of 256 and 1024 tokens (``--batch`` for one size, repeated for several; 
 Per worker of ours: GFLOP/s over its time from receiving a batch to sending the reply (the
 worker's own ``serve_seconds``) and over its kernel calls alone, and that as a fraction of
 the direct call on the same token counts; and the gateway's route + gather + combine as a
-share of a round (the pool's blocking forward, end to end). The issue's targets are printed
+share of a round (the pool's blocking forward, end to end). The bf16 targets are printed
 met or missed with the numbers. Figures are what this machine does; on a CPU without bf16
 matrix units (no AMX, no AVX512-BF16) the torch kernel computes in float32
 (workers.kernels.torch_compute_dtype) and the bf16 targets, set for AMX, cannot be met.

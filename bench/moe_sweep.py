@@ -16,7 +16,7 @@ import numpy as np
 
 from bench.moe_bench import SHORTFALL_PARTS
 
-#: the share of the bound item 3 of the pipelining work asks for
+#: the share of the bound chunked rounds aim for
 TARGET = 0.8
 
 

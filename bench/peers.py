@@ -7,8 +7,8 @@ timed in the parent. Same sizes, same counts, same processes for every implement
 
 Two figures (``data``):
 
-- descriptor (``data=False``): a message is passed and its payload never touched (today's
-  figure; on shared memory this is a slot index whatever the size);
+- descriptor (``data=False``): a message is passed and its payload never touched (on shared
+  memory this is a slot index whatever the size);
 - data (``data=True``): the sender writes every payload byte before sending, the receiver
   reads (and checks) every payload byte on receipt, both ways of a round trip, with the
   same functions (:mod:`bench.payload`) for every implementation.

@@ -9,7 +9,7 @@ its MB/s (2**20 bytes) to GB/s (10**9 bytes).
 
 One row per size: latency from ib_send_lat, ``bw_gbps``/``msg_rate`` from ib_send_bw (the
 same operation as our small-message path), and ``write_bw_gbps`` from ib_write_bw (the
-one-sided WRITE our large messages use): the issue's bandwidth target compares with it.
+one-sided WRITE our large messages use): the rdma bandwidth target compares with it.
 """
 from __future__ import annotations
 

@@ -91,8 +91,8 @@ def ratios(results: list[dict]) -> list[dict]:
 
 
 def targets(results: list[dict]) -> list[dict]:
-    """The issues' targets, evaluated on what this run measured (a benchmark, never a test).
-    shm and rdma follow issue 15's figures; every target says which figure it reads."""
+    """The transport's targets, evaluated on what this run measured (a benchmark, never a
+    test); every target says which figure it reads."""
     idx = _index(results)
     out: list[dict] = []
 

@@ -166,7 +166,7 @@ def measure(peer: peers.Peer, size: int, iters: int, figure: str = "descriptor",
            "msg_rate": float(count / d.mean()), "stream_count": count, "bursts": BURSTS}
     if not data and not peer.descriptor_moves_bytes:
         # a slot index passed around moves no payload: size x messages/s would be a bandwidth
-        # nothing achieved (the old "344 GB/s"); the message rate stands, the data figure has the GB/s
+        # nothing achieved; the message rate stands, the data figure has the GB/s
         rec.update(bw_gbps=None, bw_peak_gbps=None,
                    bw_note="no payload byte moves in the descriptor figure: see msg_rate, and the data figure")
     return rec

@@ -4,9 +4,9 @@
  *
  * gateway/dispatch.py's numpy path does the same in three passes per segment (np.take
  * into a temporary, a multiply, a fancy-indexed add that gathers, adds and scatters again),
- * each over the whole segment: at 4096 tokens, top-2, d_model 1024 that is ~16 ms of
- * memory traffic and fresh temporaries, against ~3 ms for one pass that reads each reply
- * row once and adds it into its token's row. Same operations in the same order, each
+ * each over the whole segment: memory traffic and fresh temporaries several times what one
+ * pass costs that reads each reply row once and adds it into its token's row (see
+ * docs/design.md#the-gateways-loops-in-c). Same operations in the same order, each
  * rounded the same way (a float32 product, then a float32 sum; no fused multiply-add: see
  * setup.py's -ffp-contract=off), so the two paths give the same bits.
  *
@@ -14,26 +14,26 @@
  * (the 16 bits become a float32's high half), so the sum is the float32 one numpy's path
  * makes after widening a whole segment into a temporary. And the sum is rounded back to
  * bf16 (to_bf16) in one pass: numpy's round-to-nearest-even takes six passes and a scratch
- * array. At 4096 tokens of d_model 1024 the bf16 combine took 28 ms in numpy. Or, with each
+ * array. Or, with each
  * token's count of contributions still to come, scatter rounds a token's sum into the bf16
  * output as its last contribution is added: a chunked round then has only its last chunk's
- * tokens left to round, not the whole sum (2.9 ms at 8192 tokens after the last reply).
+ * tokens left to round, not the whole sum.
  *
  * Every index is checked against the array it points into before anything is written,
  * and the loop runs without the GIL.
  *
  * And the gather that fills a send slot, out[i] = x[idx[i]]: numpy's take writes with
  * ordinary stores, and each line written is first read into the cache (and evicts what
- * was there). A gather of a megabyte or more writes with non-temporal stores instead:
- * 0.34 against 0.60 us a 4 KiB row at 8192 rows here, and the worker reads the slot from
- * memory either way at that size. Smaller gathers copy row by row (memcpy): the worker
+ * was there). A gather of a megabyte or more writes with non-temporal stores instead,
+ * which is faster a row, and the worker reads the slot from memory either way at that
+ * size. Smaller gathers copy row by row (memcpy): the worker
  * may still find them in the cache.
  *
  * And the plan's sort: every routed (token, slot) ordered by (worker, expert, token), as
  * a counting sort over the worker x expert cells. numpy needs a stable argsort, a divmod,
- * four gathers, a searchsorted, a bincount and a diff per worker for the same arrays: 0.36
- * ms of the 0.6 ms plan at 4096 tokens in a running gateway, where it runs with the caches
- * cold (a worker's product has just evicted them), and the first chunk cannot go before it.
+ * four gathers, a searchsorted, a bincount and a diff per worker for the same arrays: most
+ * of the plan in a running gateway, where it runs with the caches cold (a worker's product
+ * has just evicted them), and the first chunk cannot go before it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -193,9 +193,9 @@ static PyObject *scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     const float *src = y.buf, *w = wts.buf;
     const uint16_t *src16 = y.buf;
     /* A whole part's combine (no flags), after its last reply, writes first contributions
-     * past the cache as the gather does: 6.8 -> 6.0 ms at 4096 tokens. Not a chunked
-     * round's sums (flags): they run while the worker computes, and streamed there, the
-     * worker's compute took 1-2.6 ms longer a forward (four interleaved runs). */
+     * past the cache as the gather does. Not a chunked round's sums (flags): they run while
+     * the worker computes, and streamed there they slow its compute (see
+     * docs/design.md#the-gateways-loops-in-c). */
     int nt = 0;
 #ifdef __SSE2__
     nt = flags == NULL && (size_t)count * (size_t)d * 4 >= NT_MIN && d % 4 == 0 && (uintptr_t)o % 16 == 0;

@@ -28,32 +28,32 @@ DECAY = 0.9  # weight of the past in the decayed sums below
 #: a sample past CLIP times what its estimate expects counts as CLIP times it (plus
 #: CLIP_FLOOR seconds, for estimates near zero): one stall (a page-fault storm, a
 #: descheduled process) must not make messages or a size look dear for good -- auto stops
-#: sending what looks dear, and so stops measuring it
+#: sending what looks dear, and so stops measuring it (see docs/performance.md#constants-chosen-by-measurement)
 CLIP = 2.0
 CLIP_FLOOR = 1e-3
 WARMUP = 4  # rounds sent whole (and measured) before auto first tries chunks
 PROBES = 3  # then rounds sent in chunks, to measure them
 SAMPLES = 8  # the last rounds of each way that the choice looks at
-# chunks are kept only if that much cheaper per row: at 4096 tokens over shm they measured
-# 2-8% cheaper, and at 5% half the runs kept parts whole
+# chunks are taken only once that much cheaper per row: a wider margin kept parts whole where
+# chunks measured cheaper (see docs/performance.md#constants-chosen-by-measurement)
 MODE_MARGIN = 0.02
 PROBE_EVERY = 16  # one round in this many goes the other way, so both stay measured...
 MAX_PROBE_EVERY = 256  # ...one in twice as many each time a probe left the choice as it was
 #: a part the size model keeps whole only because its chunk sizes measured slow goes in
-#: chunks one round in this many, PROBES times, then in twice as many each time (ChunkSizer)
+#: chunks one round in this many, PROBES times, then in twice as many each time (ChunkSizer;
+#: see docs/performance.md#constants-chosen-by-measurement)
 REPROBE_EVERY = 4
 #: a round that took this many minor page faults more than the fewest of the last SAMPLES
 #: rounds wrote fresh memory (1 MiB of 4 KiB pages): its time is a start-up cost, and the
-#: whole-or-chunked choice leaves it out (ChunkMode.record)
+#: whole-or-chunked choice leaves it out (ChunkMode.record; see docs/performance.md#constants-chosen-by-measurement)
 COLD_FAULTS = 256
 MAX_CHUNKS = 64  # auto's smallest size tried cuts a part in at most this many
 EDGE = 8  # a part's first and last chunks are at most 1/EDGE of the size, ramping up (see split_part)
-MIN_PIECE = 128  # rows below which cutting a group for a ramp's chunk costs more than it hides
+MIN_PIECE = 128  # rows below which cutting a group for a ramp's chunk costs more than it hides (see docs/performance.md#constants-chosen-by-measurement)
 OUT_ROWS = 512  # replies from this many rows measure the way back per row (ChunkCosts.out)
 #: a chunk size's compute rate prices it (choose_chunks) only once this many of its replies
-#: were measured. A size's first chunked round is a start-up: at 4096 tokens over shm one
-#: measured 3-6% slower per row than the whole part and sent 7 of the next 8 rounds whole,
-#: until re-probes had moved its decayed mean back
+#: are measured: a size's first replies are its start-up, slower per row than what follows,
+#: and priced from them it sends the next rounds whole (see docs/performance.md#constants-chosen-by-measurement)
 RATE_SAMPLES = 3
 
 ChunkSetting = Union[str, int]  # "auto", or a fixed size in rows (0: never chunk)
@@ -188,34 +188,34 @@ class ChunkCosts:
     # makes it copy (tcp: growing with the rows)
     gap: DecayedLine = field(default_factory=DecayedLine)
     # its time with no token to compute in the last SAMPLES rounds sent whole. A worker's
-    # first rounds (its slots' pages touched for the first time) ran 2-15x the rest here,
-    # and once auto chunks only its probes go whole: a mean, or a median, carried the
-    # first rounds for a hundred rounds. A stall only ever lengthens a round: the least
-    # of them is the estimate (idle_s)
+    # first rounds (its slots' pages touched for the first time) run several times the
+    # rest, and once auto chunks only its probes go whole, so a mean or a median would carry
+    # the first rounds for long. A stall only ever lengthens a round: the least of them is
+    # the estimate (idle_s)
     idle: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
     # seconds a row from a chunk's reply leaving the worker (its clock: only a worker on this
     # machine) to its rows summed here: the way back alone, for chunks of OUT_ROWS rows or
-    # more (the last SAMPLES). Over tcp here 2.7-3.6 us a row, against 2.1 each way from a
-    # round sent whole (the gateway reads and sums while the worker computes beside it), so
-    # the back ramp grows slower than the front one (back_growth). Not a line: a small
+    # more (the last SAMPLES). Over tcp it is dearer a row than half a whole round's no-token
+    # time (the gateway reads and sums while the worker computes beside it), so the back
+    # ramp grows slower than the front one (back_growth). Not a line: a small
     # chunk's reply can wait behind the gateway's sends, and a fit to those waits put the
     # whole cost in the fixed part
     out: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
     # seconds a row from our gather of a chunk after a part's first to the worker having it
     # (its clock, ``t_rx``: only a worker on this machine that receives while it computes),
     # chunks of OUT_ROWS rows or more (the last SAMPLES): the way in beside the computing
-    # worker. Over tcp here about 3.7 us a row against 2 in a round sent whole, so the front
-    # ramp's growth from the whole round's no-token time (8) had the second chunk land
-    # 1-2 ms after the first was done (front_growth)
+    # worker. Over tcp it is dearer a row than in a round sent whole, so a front ramp grown
+    # from the whole round's no-token time lands the second chunk after the first is done
+    # (front_growth; see docs/performance.md#constants-chosen-by-measurement)
     into: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
     # seconds a row of our gather and send of a message of OUT_ROWS rows or more (the last
     # SAMPLES): the way in where the worker does not say when a chunk reached it (shm, where
     # the flight is a slot index)
     gather: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
     per_row: dict = field(default_factory=dict)  # bucket -> [decayed seconds, decayed rows, replies]
-    # the worker's minor page faults per reply: a reply that wrote fresh memory (2 us a page
-    # in a VM) measures that, not its compute or its gap, and a first probe's stalled gap
-    # once priced messages so high that auto never chunked again (see cold_reply)
+    # the worker's minor page faults per reply: a reply that wrote fresh memory measures the
+    # faults, not its compute or its gap, and a first probe's stalled gap would price
+    # messages so high that auto never chunks again (see cold_reply)
     faults: ColdFilter = field(default_factory=ColdFilter)
 
     @property
@@ -248,9 +248,9 @@ class ChunkCosts:
         chunk of r rows computes (c r seconds), the next, g r rows, must land (u g r), so g
         = c / u. u is the worker's no-token time in a round sent whole, per row, half of it
         on the way in (gather and flight) and half on the way out (flight and sum). Over tcp
-        here c / u is about 3; over shm, with no flight, 15 or more, where a ramp's small
-        chunks would only cost messages. Clamped to [2, EDGE] (EDGE: from the edge chunk
-        straight to full size); 2 until both are measured."""
+        c / u is small; over shm, with no flight, large, where a ramp's small chunks would
+        only cost messages. Clamped to [2, EDGE] (EDGE: from the edge chunk straight to full
+        size); 2 until both are measured."""
         c = self.seconds_per_row(rows)
         if not c or not self.idle_s or rows <= 0:
             return 2.0
@@ -267,10 +267,9 @@ class ChunkCosts:
         """:meth:`ramp_growth` for the ramp down to a part's last chunk: the chunk before the
         last must be read and summed here while the last one computes, so the growth is the
         worker's compute per row over the way back's time per row, as measured (:attr:`out`),
-        clamped to [2, EDGE]; :meth:`ramp_growth` until that was measured. At 4096 tokens
-        over tcp, 512-row edges grew to a 3665-row chunk before the last (growth EDGE): its
-        reply took 12.6 ms to read and sum, the last chunk 9.3 ms to compute, and the round
-        ended 4.4 ms after the worker's last reply."""
+        clamped to [2, EDGE]; :meth:`ramp_growth` until that was measured. Grown by the way
+        in instead, the chunk before the last can take longer to sum than the last takes to
+        compute (see docs/performance.md#constants-chosen-by-measurement)."""
         return self._growth_by(self.out, rows)
 
     def _growth_by(self, way: deque, rows: int) -> float:
@@ -287,11 +286,9 @@ class ChunkCosts:
         first's way in (gathered, sent and taken up) before the worker starts, the last's way
         back (read and summed) after it ends. Each as measured (:attr:`into`, else
         :attr:`gather`; :attr:`out`), else half the whole part's no-token time a row (for a
-        part of ``rows`` rows). At 4096 tokens over shm the way back measured 0.6-0.7 us a
-        row (our gather 0.2) against that half's 0.4: priced by the half, 512-row edges were
-        chosen where 128-row ones left 0.4 ms less exposed a round for two more messages
-        (the worker 1.32 against 1.71 ms with no token); with our gather at 0.2 the two ways
-        nearly cancel there. None before any no-token time."""
+        part of ``rows`` rows). The two ways differ from that half, so priced by it the edges
+        come out larger than what exposes least (see docs/performance.md#constants-chosen-by-measurement). None before any no-token
+        time."""
         if self.idle_s is None or rows <= 0:  # (a no-token time of 0 prices the unmeasured at 0)
             return None
         half = self.idle_s / (2 * rows)
@@ -385,7 +382,7 @@ def choose_chunks(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
         c = rows if c <= 0 or c >= rows else c
         return c, c // EDGE
     if rows < 2 * MIN_CHUNK:  # no size leaves two chunks: a decode step's part, most rounds
-        return rows, rows     # under load, where reading the costs took 20 us a call
+        return rows, rows     # under load, which should not pay for reading the costs
     msg_s = costs.msg_s if costs is not None else None  # (medians of the sizes': read once)
     idle_s = costs.idle_s if costs is not None else None
     whole = costs.seconds_per_row(rows) if costs is not None else None
@@ -438,15 +435,15 @@ def choose_chunks(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
 class ChunkSizer:
     """One worker's chunk size each round: :func:`choose_chunks`, and a re-probe of what it
     priced out. Only chunks measure a chunk size's compute rate, so once the model keeps a
-    part whole because its sizes measured slow, nothing measures them again. One chunked
-    round run slow by the machine, not by its size (4096 rows over shm: 13.3 to 14.9 us a
-    row, whole 13.5), once kept parts whole for the rest of a run. So when the model sends
+    part whole because its sizes measured slow, nothing measures them again, and one chunked
+    round run slow by the machine, not by its size, would keep parts whole for the rest of a
+    run. So when the model sends
     a part whole that it would chunk at the whole part's rate, one such round in ``every``
     goes at that size instead: one in REPROBE_EVERY for PROBES re-probes, then in twice as
     many after each (up to MAX_PROBE_EVERY: sizes that stay slow stop costing rounds), and
     from the start once the model chunks on its own again. Not doubling at once: a rate is
-    a decayed mean, and one re-probe moves it only part of the way back (a rate raised 15%
-    by hand took three at 4096 tokens over shm). The whole-or-chunked choice
+    a decayed mean, and one re-probe moves it only part of the way back (see
+    docs/performance.md#constants-chosen-by-measurement). The whole-or-chunked choice
     (:class:`ChunkMode`) still has the last word on a re-probed round, as on any other."""
 
     def __init__(self) -> None:
@@ -460,15 +457,14 @@ class ChunkSizer:
     def prepare(self, rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
                 groups: Optional[Sequence[Sequence[int]]] = None) -> None:
         """Choose ahead, for the next part, from this one: called once a round's messages
-        went, while the worker computes. The model's search (0.2-0.4 ms for 8192 rows here)
-        otherwise runs in the next round's plan, before its first chunk can go: time the
+        went, while the worker computes. The model's search otherwise runs in the next
+        round's plan, before its first chunk can go: time the
         worker waits, and which a part sent whole never pays. The next part takes it if its
         rows are in the same half octave (:func:`_bucket`), else chooses then; a choice is
         used once. The costs it saw are one round older than the next plan's. A round at a
-        fixed size neither prepares nor takes one: a pool switched between the two ways round
-        by round (``moe-bench moe``'s twin systems) had its auto rounds choose in the plan,
-        0.24 ms before the first chunk at 4096 tokens over shm, which a pool on auto alone
-        never pays."""
+        fixed size neither prepares nor takes one, so a pool switched between the two ways
+        round by round (``moe-bench moe``'s twin systems) keeps the choice auto made ahead
+        and does not choose in the plan, which a pool on auto alone never does."""
         if setting != "auto":
             return
         size, edge = choose_chunks(rows, setting, costs, groups)
@@ -534,9 +530,8 @@ def _front_cut(spans: list, lo: int, hi: int, limit: int) -> Optional[int]:
     inside a group, if both its pieces keep MIN_PIECE rows (a product is one read of the
     expert's weights whatever its rows: a small piece costs more than the rows it stops
     exposing), or short of it, MIN_PIECE rows before the group's end; else the last group
-    start in reach; else None (the ramp stops there, and the next chunk is a full one: over
-    tcp at 4096 tokens a 128-row edge was followed by 2940 rows, and the worker waited 6.3 ms
-    for them, when the group had room for a 644-row cut)."""
+    start in reach; else None (the ramp stops there, and the next chunk is a full one, which
+    the worker waits for; see docs/performance.md#constants-chosen-by-measurement)."""
     at = [s for s, _ in spans if lo < s <= lo + limit and s < hi]
     if at and max(at) - lo >= limit // 2:
         return max(at)
@@ -645,17 +640,16 @@ class ChunkMode:
     PROBE_EVERY). Until both ways are measured a round that cannot be measured goes whole:
     under load few rounds are alone, and probing with rounds nobody can time would chunk
     half of them blind. A lower quartile, not a median: a stall only ever lengthens a round,
-    and the first rounds to write a slot's pages stall, here at 2-5x, whichever way they
-    went (a whole round after chunked ones writes the pages past the chunks). With a median,
-    two stalled probes of three kept parts whole at 8192 tokens over tcp in four runs of
-    five; one slow round, or two, still flips nothing.
+    and the first rounds to write a slot's pages stall, whichever way they went (a whole
+    round after chunked ones writes the pages past the chunks); with a median, two stalled
+    probes of three keep parts whole. One slow round, or two, still flips nothing.
 
     A round's time is not taken at all when it faulted in fresh memory: COLD_FAULTS minor
     page faults more than the fewest of the last SAMPLES rounds (both ways), counted in the
     gateway and, from their replies, its workers. All three probes of a warm-up can stall
-    that way (8192 tokens over tcp: each probe wrote pages of slots no round had used, at
-    ~2 us a page in a VM, and cost 1.5-2x per row), and a lower quartile cannot see past
-    three. So probing goes on until PROBES warm rounds are in. A way whose rounds keep
+    that way (each writing pages of slots no round had used; see
+    docs/performance.md#constants-chosen-by-measurement), and a lower quartile cannot see past three. So probing goes on
+    until PROBES warm rounds are in. A way whose rounds keep
     faulting (its steady state, not a start-up) is taken as it is after SAMPLES cold rounds
     in a row."""
 
@@ -700,9 +694,9 @@ class ChunkMode:
     def close_call(self) -> bool:
         """Whether chunked rounds measured within MODE_MARGIN of the margin itself: from
         2*MODE_MARGIN cheaper per row than whole ones to as dear. Three probes' lower
-        quartile is their fastest: at 4096 tokens over shm, where chunked rounds run 2-5%
-        cheaper, three put them at 17.95 us a row against 17.45 whole and a run of moe-bench
-        moe kept parts whole. Such a call is made on SAMPLES of each way."""
+        quartile is their fastest, which can put chunks above whole parts where they run
+        cheaper (see docs/performance.md#constants-chosen-by-measurement). Such a call is made on SAMPLES of each
+        way."""
         c, w = self.per_row(True), self.per_row(False)
         return c is not None and bool(w) and abs(c / w - (1 - MODE_MARGIN)) < MODE_MARGIN
 
@@ -723,8 +717,7 @@ class ChunkMode:
     def favours_chunks(self) -> bool:
         """The choice: chunks once they measured cheaper by MODE_MARGIN, and kept while they
         are not dearer than whole parts. The band between stops the choice from following
-        noise back: at 4096 tokens over shm chunks measured 1.7-4.5% cheaper per row, and in
-        2 of 8 runs a chunked probe that took them from 2.0% to 1.7% sent the rest whole."""
+        noise back to whole parts (see docs/performance.md#constants-chosen-by-measurement)."""
         return self._chunks_cheaper_by(0.0 if self._way else MODE_MARGIN)
 
     def want_chunks(self, measurable: bool = True) -> bool:

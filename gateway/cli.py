@@ -228,7 +228,7 @@ def probe_layer(url: str, secret: Optional[bytes], timeout: float) -> dict:
     while True:
         try:
             # the worker's slots are sized for its --max-tokens rows of ITS d_model, which is what
-            # we are asking: accept any size here (the default limit, 4 MiB, refused d_model 1024)
+            # we are asking: accept any size here (the default limit is too small for a wide layer)
             conn = transport.connect(url, slot_size=1 << 16, nslots=2, timeout=min(5.0, timeout), secret=secret,
                                      max_peer_slot_size=PROBE_MAX_PEER_SLOT)
             break

@@ -1,7 +1,7 @@
 """``make run``: a gateway with local workers, a short load, and the numbers.
 
     python -m gateway.demo --backend shm          # small config, ~20 s on 2 cores
-    python -m gateway.demo --backend tcp --full   # the issue's config: d_model 1024, d_ff 2048, 256-token batches
+    python -m gateway.demo --backend tcp --full   # the full config: d_model 1024, d_ff 2048, 256-token batches
 
 Starts ``moe-gateway`` (which spawns and owns its workers) over the chosen backend, checks
 one output against the in-process ReferenceMoE, drives a few concurrent clients for a few

@@ -412,9 +412,9 @@ class DispatchPlan:
 class ChunkSum:
     """One request's float32 (T, d) sum as its chunks land (:meth:`DispatchPlan.accumulate`),
     and which tokens have a contribution in it yet. A token's first contribution is written,
-    the others added, so the sum is never zeroed up front: zeroing a 4096-token, 1024-wide
-    output took ~3 ms of the gateway's thread just as the first chunks went out, and the
-    chunks behind them waited. The same bits as adding to zeros, except that a first
+    the others added, so the sum is never zeroed up front: zeroing a large output takes the
+    gateway's thread just as the first chunks go out, and the chunks behind them wait. The
+    same bits as adding to zeros, except that a first
     contribution of -0.0 stays -0.0 (as :meth:`DispatchPlan.combine` writes it too)."""
 
     __slots__ = ("array", "seen", "fin", "target", "_sums")
@@ -438,8 +438,8 @@ class ChunkSum:
 
 class SumBuffers:
     """float32 sums kept from one request to the next. A new (T, d) array is fresh pages, and
-    its first writes fault them in: at 8192 tokens of d_model 1024 (32 MiB) that cost the
-    gateway's thread ~3 ms a forward, in the middle of its round. At most ``keep`` arrays
+    its first writes fault them in, on the gateway's thread in the middle of its round (see
+    docs/design.md#one-reply-slot-per-request-taken-at-dispatch). At most ``keep`` arrays
     are kept (the largest); a request that finds none free gets a new one."""
 
     def __init__(self, keep: int = 2) -> None:

@@ -1,9 +1,9 @@
 """When each worker's last outstanding reply is due, so the loop can busy-poll for it.
 
-Woken from a sleep, the gateway's thread ran 0.15-0.3 ms after a worker's reply was sent
-in this VM (the wake-up of a halted virtual CPU), on every round, whole or chunked: 15% of
-a one-token forward, a few percent of a 256-token one. Spinning for every reply would
-cost a core the workers compute on. So only a worker's *last* outstanding message gets a
+Woken from a sleep, the gateway's thread runs a while after a worker's reply was sent (in a
+VM, the wake-up of a halted virtual CPU), on every round, whole or chunked: a large share
+of a one-token forward, a small one of a 256-token one (see docs/performance.md#reply-spin). Spinning for every
+reply would cost a core the workers compute on. So only a worker's *last* outstanding message gets a
 window, predicted from its measured costs (:class:`~gateway.chunking.ChunkCosts`: its
 compute per row at that size and its time outside compute), only if that is short (see
 COMPUTE_MAX), and only where the gateway has a processor no local worker needs. The
@@ -21,23 +21,19 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable, Optional
 
-#: only messages predicted to compute at most this long get a window: there a wake-up is
-#: 15% or more of the wait. Longer ones measured no gain (0.15-0.3 ms of 4-100 ms), and
-#: with two local workers on two processors, a spin beside the one still computing made
-#: medians 3-9% slower at 16 tokens. Windows for every chunk's reply, not only the last,
-#: measured nothing either (4096 tokens over shm, one worker: 98% of replies came inside
-#: them, yet the worker's reply send took 14-22 us against 19-28, and the round's no-token
-#: time stayed 1.39 ms)
+#: only messages predicted to compute at most this long get a window: there a wake-up is a
+#: large share of the wait. Longer ones gain nothing measurable, nor do windows for every
+#: chunk's reply, not only the last (see docs/performance.md#reply-spin)
 COMPUTE_MAX = 1e-3
 #: a window opens this long before the predicted reply, and closes as long after it
 LEAD_MIN = 0.4e-3
-#: plus this share of the predicted compute (its run-to-run spread is a few percent)
+#: plus this share of the predicted compute (its run-to-run spread; see docs/performance.md#reply-spin)
 LEAD_SHARE = 0.05
 #: and never more than this each side: a worse prediction costs a sleep's wake-up, no more
 LEAD_MAX = 2e-3
 #: replies whose lateness against the costs' prediction centres the next windows: the
 #: costs leave out the reply's way back (over tcp a copy through the socket that grows
-#: with the rows, 0.5-1 ms at 256 rows of 4 KiB here)
+#: with the rows)
 LAGS = 16
 
 
@@ -64,10 +60,9 @@ class ReplyClock:
 
     ``cpus``: processors the gateway and its local workers share (default: this process's
     affinity); ``local_workers``: workers on this machine (shm://, loopback addresses). A
-    window is given only when each of them and the gateway can have a processor: with two
-    local workers on two processors, spinning while one still computed made the medians
-    of 1-token forwards 7% faster but their p99 1.5x slower (the worker that had just
-    replied, the one computing and the spinning gateway, three on two)."""
+    window is given only when each of them and the gateway can have a processor: otherwise
+    the worker that has just replied, the one computing and the spinning gateway share too
+    few processors, and the tail gets slower (see docs/performance.md#reply-spin)."""
 
     cpus: int = field(default_factory=usable_cpus)
     local_workers: int = 0

@@ -521,9 +521,8 @@ class RoundBook:
     def _send(self, rnd: Round) -> None:
         """Send every worker its part, chunk by chunk across the workers: each worker's first
         chunk, then each one's second, and so on. Worker by worker, the second worker's first
-        chunk waited for the first worker's whole part to be gathered and sent (3.3 ms after
-        the plan at 4096 tokens over shm with two workers and 1024-row chunks, 0.24 ms this
-        way), time it could compute nothing; its later chunks land while it computes."""
+        chunk would wait for the first worker's whole part to be gathered and sent, time it
+        could compute nothing (see docs/performance.md#constants-chosen-by-measurement); its later chunks land while it computes."""
         for w_index, rows in rnd.rows.items():
             w = self.workers[w_index]
             n = len(rnd.bounds[w_index]) - 1
@@ -703,10 +702,9 @@ class RoundBook:
         busy = _duration(h, cs)
         warm = not w.chunk_costs.cold_reply(faults)
         if warm:
-            # nor a round that has faulted in fresh memory so far: the first chunked round at
-            # 4096 tokens over shm took about 4200 faults here, and its last reply, with 33
-            # of its own, computed at 17.7-20.4 us a row against 16.3-17.0 for whole parts
-            # before it (three pools); the size model once priced chunks out from that
+            # nor a round that has faulted in fresh memory so far: the gateway's faults slow the
+            # worker's compute beside them, and a rate measured then prices chunks out (see
+            # docs/performance.md#constants-chosen-by-measurement)
             if not self.round_faults.is_cold(rnd.faults):
                 w.chunk_costs.record_compute(rows, cs)
             w.chunk_costs.record_serve(busy - cs)

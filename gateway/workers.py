@@ -216,7 +216,7 @@ class WorkerLink:
     def connected(self) -> bool:
         return self.conn is not None
 
-    # today's names, kept for the metrics and tests that read them
+    # boolean views of ``state``, for the metrics and tests that read them
     @property
     def healthy(self) -> bool:
         return self.state in (Health.HEALTHY, Health.DRAINING)

@@ -27,7 +27,8 @@ extras setup.cfg has, ``apt-get install`` only packages the Makefile installs.
 Blocks in any other language (```text: output, wire layouts) are not run. Each page's count
 of runnable blocks, services and engines is pinned below, so a new block is run or fails
 this test, never skipped. README's links must point at files that exist; the docs' own links
-are mkdocs build --strict's (``make test``)."""
+are mkdocs build --strict's (``make test``); a docs page (and section) named in a code comment
+must exist."""
 from __future__ import annotations
 
 import argparse
@@ -384,3 +385,23 @@ def test_make_run_installs_only_what_the_demo_needs(tmp_path):
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "verify:" in r.stdout and "OK" in r.stdout and "tokens/s" in r.stdout
+
+
+def _anchors(page: Path) -> set[str]:
+    """The heading anchors mkdocs makes for ``page`` (toc's slugify, code spans as text)."""
+    from markdown.extensions.toc import slugify
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+    return {slugify(m.group(1).replace("`", ""), "-") for m in re.finditer(r"^#+ (.*)$", text, re.M)}
+
+
+def test_docs_pages_named_in_code_exist_with_their_sections():
+    """A comment that names the docs page (and section) giving a measurement names one that is there."""
+    refs = set()
+    for folder in ("gateway", "transport", "workers", "bench"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix in (".py", ".c", ".h"):
+                refs.update(re.findall(r"\b(docs/[\w/-]+\.md)(?:#([\w-]+))?", path.read_text()))
+    assert refs
+    for page, anchor in sorted(refs):
+        assert (ROOT / page).is_file(), page
+        assert not anchor or anchor in _anchors(ROOT / page), (page, anchor)

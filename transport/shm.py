@@ -600,7 +600,8 @@ class ShmConnection(CompiledPath, Connection):
         free = self._free
         # returns first, so the slot given back last is the one reused: the slots in flight
         # stay the working set (taken only when the pool ran dry, a sender would write every
-        # slot once, faulting each one in, before it came back to the first)
+        # slot once, faulting each one in, before it came back to the first; see
+        # docs/design.md#the-last-slot-returned-is-the-next-one-written)
         if not self._state and self._w[W_RET_TAIL] != self._cur.ret_head:
             self._take_returns()
         if free and not self._state and 0 <= nbytes <= self.max_message:

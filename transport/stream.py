@@ -1,4 +1,4 @@
-"""Receive and send machinery for byte-stream backends (tcp today).
+"""Receive and send machinery for byte-stream backends (tcp).
 
 Receiving is one syscall per wake-up. The socket stays in blocking mode; a wait is a
 ``recv_into`` that blocks in the kernel for at most the caller's timeout (``SO_RCVTIMEO``,
@@ -320,9 +320,8 @@ class StreamConnection(Connection):
     def yield_to_peer(self) -> None:
         # A socket write wakes its reader with a sync wake-up, and Linux queues a reader on
         # this machine on the writer's CPU, expecting the writer to sleep. A gateway that goes
-        # on to gather the next chunk does not: over tcp here a worker read a round's first
-        # chunk up to 3.3 ms after it was written (0.34-0.96 ms on average), 0.07 ms when it
-        # was pinned to the other core
+        # on to gather the next chunk does not, and the reader waits for it (see
+        # docs/design.md#tcp-yield-to-a-local-reader)
         if self._peer_here:
             os.sched_yield()
 

@@ -28,7 +28,7 @@ TCP_LINGER_POLL = 0.005
 
 # -- serve loop (transport/service/loop.py) ------------------------------------------------
 #: a spin window that opens sooner than this is spun from now: a shorter sleep costs a
-#: wake-up (0.15-0.3 ms in a VM), and the message may come during it
+#: wake-up (see docs/performance.md#reply-spin), and the message may come during it
 SPIN_SLEEP_MIN = 0.5e-3
 
 # -- shm (transport/shm.py) ---------------------------------------------------------------

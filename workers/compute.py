@@ -5,7 +5,7 @@ while a batch computes: over tcp the next chunk's bytes stay in the kernel (the 
 which sends only to a connection whose socket has room, waits too) and a reply's socket
 copy starts only after the batch. With one compute thread the loop keeps receiving into
 the connection's slots and sending finished replies while the kernels run (they release
-the GIL), and batches are computed one at a time in the order they came, as before.
+the GIL), and batches are still computed one at a time, in the order they came.
 
 Jobs go in from the loop's thread; each job's result (its reply header, or the exception
 it raised) goes back to the loop's thread through ``post`` (ServeLoop.call_soon_threadsafe),

@@ -320,8 +320,8 @@ class WorkerDaemon:
         """Parse the forwards already waiting behind the one taken, before it computes.
 
         Between two computes the worker runs cold: a matrix product evicts the interpreter's
-        code and data, and the first Python after one ran 10-20x its warm speed here (a
-        dict of four keys: 130 us after 3500 rows, 7 us warm). Each message read and checked
+        code and data, and the first Python after one runs many times slower than warm (see
+        docs/design.md#read-ahead-before-computing). Each message read and checked
         in that gap is dear: a chunked round's next chunks are in by then, so they are read
         now, warm, and the gap is the reply's send and the next product's start. Anything
         else that waits (a ping, a load) is answered now, ahead of those replies: replies

@@ -7,7 +7,7 @@ Two sources:
   other), each becomes a kernel (``--compute numpy|torch``) taking activations in the wire
   dtype (``--dtype``), and each layer's fingerprint is computed for the gateway's check;
 - demo weights (``--seed``, or an .npz): the classic ``SwiGLUExpert`` for numpy with a
-  float32/float64 wire (today's path, unchanged), else the same seeded weights in a kernel
+  float32/float64 wire, else the same seeded weights in a kernel
   (``--compute torch``, or a bf16/fp16 wire), so benchmarks can run the torch kernel on
   synthetic weights.
 

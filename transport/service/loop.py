@@ -151,7 +151,7 @@ class ServeLoop:
     def watch_write(self, obj, on: bool) -> None:
         """While ``on``, a watched ``obj`` (or a served connection) is also reported when
         its kernel buffer has room: a large frame is written as the peer reads it, not at
-        a timer's pace (32 MB over loopback tcp took 10-46 ms flushed from a 5 ms tick).
+        a timer's pace (see docs/design.md#tcp-the-serve-loop-finishes-frames-as-the-kernel-takes-them).
         A watched object's ``on_ready`` tells the two apart itself (flush while it has
         bytes left, read always: a read of nothing returns at once)."""
         if on == (obj in self._writing):
@@ -176,8 +176,8 @@ class ServeLoop:
     def add_spin(self, fn: Callable[[float], Optional[tuple[float, float]]]) -> None:
         """``fn(now)`` returns a window (opens, closes), time.monotonic, in which the service
         expects a message, or None. Inside it the loop busy-polls instead of sleeping: a
-        wake-up from a sleep costs 0.15-0.3 ms in a VM. The service decides when a core may
-        be spent on it."""
+        wake-up from a sleep is dear in a VM (see docs/performance.md#reply-spin). The service decides when a core
+        may be spent on it."""
         self._spins.append(fn)
 
     def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:

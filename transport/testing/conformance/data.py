@@ -227,7 +227,7 @@ def check_random_traffic(env: PairEnv) -> None:
     count, window = 150, 2
     consumed = {id(client): 0, id(server): 0}  # messages each end has received
     # a hang guard, not a speed bound: it grows with the env's slack (an emulated guest
-    # with slack 2 gets 120 s; there the baseline took 35 s on a loaded 2-core host)
+    # with slack 2 gets 120 s)
     budget = 30 * max(1.0, env.slack / 0.5)
     deadline = time.monotonic() + budget
 
