@@ -178,7 +178,7 @@ def served_ids(args, layers=None) -> tuple[int, int, int]:
     """(routed experts, shared pieces, rows per token) the workers a gateway starts must
     host: the demo layer's from the flags, else the checkpoint layers' (the same ids in
     every layer, so one placement serves them all)."""
-    from gateway.rounds import slots_per_token
+    from gateway.requests import slots_per_token
 
     if not layers:
         return args.n_experts, 0, args.top_k

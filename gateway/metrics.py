@@ -145,7 +145,7 @@ class GatewayMetrics:
             GaugeMetricFamily("moe_gateway_rounds_in_flight", "Rounds out at the workers",
                               value=srv.rounds_in_flight),
         ]
-        spin = pool.rounds.clock.snapshot()
+        spin = pool.reply_spin()
         rw = CounterMetricFamily("moe_gateway_reply_windows", "Workers' last replies the loop spun for, by when "
                                  "each landed: inside its predicted window, before it, after it (or never)",
                                  labels=["outcome"])

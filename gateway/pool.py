@@ -20,7 +20,8 @@ from gateway.admission import Admission
 from gateway.chunking import ChunkSetting, parse_chunk_rows
 from gateway.control import ControlChannel
 from gateway.rollout import ACK_TIMEOUT, Rollout
-from gateway.rounds import BatchStats, Request, RoundBook, WorkerError, n_ids, slots_per_token
+from gateway.requests import BatchStats, Request, WorkerError, n_ids, slots_per_token
+from gateway.rounds import RoundBook
 from gateway.router import Router
 from gateway.served import ServedSet
 from gateway.workers import LayerShape, WorkerLink, WorkerSet
@@ -222,11 +223,48 @@ class WorkerPool:
         """What auto's whole-or-chunked choice stands on (ChunkMode.snapshot): rounds asked
         about, measured and left out as cold, whether both ways are measured yet, and the
         lower quartiles per row."""
-        return self.rounds.chunk_mode.snapshot()
+        return self.rounds.costs.chunk_mode.snapshot()
 
     def replication(self) -> int:
         """The most workers hosting one expert (1: no replica to choose between)."""
         return max((sum(1 for w in self.workers if e in w.experts) for e in range(self.n_experts)), default=0)
+
+    def route_early(self, req: Request) -> Optional[frozenset]:
+        """Route ``req`` before it is batched (expert-aware batching); see RoundBook.route_early."""
+        return self.rounds.route_early(req)
+
+    def hot_update(self, action: Any, fields: Mapping[str, Any]) -> dict:
+        """A hot-update command (gateway/rollout.py): start, advance, finish, rollback, status,
+        settle, or served (what the gateway serves). UpdateError when refused."""
+        f = fields.get
+        if action == "settle":
+            return self.rollout.settle(f("experts"), f("version"), layer=f("layer"), weights=f("weights"),
+                                       seed=f("seed"), checkpoint=f("checkpoint"))
+        if action == "served":
+            return {"state": "served", **self.served.status(), "update": self.rollout.status(),
+                    "admission": self.admission.snapshot()}
+        if action == "start":
+            return self.rollout.start(f("experts"), f("version"), weights=f("weights"), seed=f("seed"),
+                                      checkpoint=f("checkpoint"), layer=f("layer"), steps=f("steps"),
+                                      auto_interval=f("auto_interval"))
+        return self.rollout.command(str(action), f("fraction"))
+
+    def status(self) -> dict:
+        """The pool's part of the gateway's pong: workers, update, served set, admission,
+        reply spinning, and the layer's configuration."""
+        return {"workers": self.stats(), "rounds_in_flight": self.in_flight, "update": self.rollout.status(),
+                "reply_spin": self.rounds.clock.snapshot(), "served": self.served.status(),
+                "admission": self.admission.snapshot(),
+                "config": {"balancing": self.rounds.balancing, "chunk_rows": self.chunk_rows,
+                           # auto: what rounds alone in flight cost per row, whole and chunked
+                           "chunk_costs": self.chunk_choice(), "replicas": self.replication(),
+                           "n_experts": self.n_experts, "top_k": self.router.top_k, "d_model": self.d_model,
+                           "dtype": P.dtype_name(self.dtype), "router": self.router.describe(),
+                           "layers": [[L, self.routers[L].describe(), self.fingerprints.get(L)]
+                                      for L in self.layers]}}
+
+    def reply_spin(self) -> dict:
+        return self.rounds.clock.snapshot()
 
     @property
     def update(self):

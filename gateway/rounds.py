@@ -1,11 +1,14 @@
-"""Dispatch rounds: the one owner of round book-keeping.
+"""Dispatch rounds: the round life cycle, from dispatch to every request's end.
 
-A *round* carries one or more requests (token batches). Each request is routed on its own
-(its output never depends on what it was batched with: capacity is per request, as in the
-reference) and gets its own DispatchPlan; the requests' rows for one worker go back to back
-in ONE message to that worker, gathered straight from where each request's tokens are (a
-client's landed buffer) into the worker's send slot, and every request is combined straight
-from the workers' replies where they landed.
+A *round* carries one or more requests (token batches; gateway/requests.py). Each request
+is routed on its own (its output never depends on what it was batched with: capacity is per
+request, as in the reference) and the round is planned (gateway/planner.py: replicas, each
+request's DispatchPlan, each worker's part and chunks); the requests' rows for one worker go
+back to back in ONE message to that worker, gathered straight from where each request's
+tokens are (a client's landed buffer) into the worker's send slot, and every request is
+combined straight from the workers' replies where they landed (gateway/combine.py). What
+each message and reply cost is told to an observer (gateway/round_costs.py), as is when
+each worker's last reply is due (gateway/reply_clock.py).
 
 Failure is per worker, not per round, and completion is per request: a request is finished
 as soon as every worker it has rows on replied, whatever the others do. When a worker fails
@@ -15,37 +18,32 @@ the other workers if every expert it needs there has another healthy host (a for
 idempotent), and otherwise fails at once with ``unavailable``. A late reply of a failed part
 is discarded. So a hung worker delays only the requests that need it.
 
-Chunks: a worker's part may go as several messages of consecutive rows (gateway/chunking.py
-chooses the size), so the worker computes the first while the next is gathered and in
-flight. In such a round every reply is added into its requests' sums as it lands and given
-back at once (a round holding its replies until the last one would hold the worker's
-credits, and with more chunks than credits never get the last one); a request is finished
-when the chunks holding its rows are in, so the requests whose rows came back first are
-answered while the workers compute the rest. A chunk the connection cannot take yet waits
-in a per-worker backlog, sent as credits come back; failure stays per part (any chunk
-failing fails the worker's part).
+Chunks: a worker's part may go as several messages of consecutive rows, so the worker
+computes the first while the next is gathered and in flight. Such a round's replies are
+summed as they land and given back at once (a round holding its replies until the last one
+would hold the worker's credits, and with more chunks than credits never get the last one);
+a request is finished when the chunks holding its rows are in. A chunk the connection cannot
+take yet waits in a per-worker backlog, sent as credits come back; failure stays per part.
 
-Layers: a gateway serving a checkpoint has one router per MoE layer, and each request names
-its layer. A round carries requests of one layer (the worker message names one), so a batch
-of requests of several layers goes out as one round per layer, all sent before any wait.
+Layers: a round carries requests of one layer (the worker message names one), so a batch of
+requests of several layers goes out as one round per layer, all sent before any wait.
 """
 from __future__ import annotations
 
 import logging
-import resource
 import time
-from bisect import bisect_left, bisect_right
 from collections import deque
-from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from gateway.chunking import ChunkMode, ChunkSetting, ColdFilter, chunk_groups, parse_chunk_rows, split_part
-from gateway.dispatch import ChunkSum, DispatchPlan, SumBuffers, split_over_replicas
+from gateway.chunking import ChunkSetting, chunk_groups, parse_chunk_rows
+from gateway.combine import add_chunk, start_sums
+from gateway.dispatch import SumBuffers
+from gateway.planner import Planner
 from gateway.reply_clock import ReplyClock
-from gateway.replicas import BALANCING, choose_least_loaded, choose_replicas
-from gateway.router import Routing
+from gateway.requests import NoHealthyWorker, Request, Round, WorkerError
+from gateway.round_costs import RoundCosts
 from gateway.served import ServedSet
 from gateway.workers import WorkerLink, WorkerSet
 from transport import TransportError
@@ -58,223 +56,6 @@ MAX_ATTEMPTS = 2  # a request is tried at most this often (the first round and o
 #: usable) no longer holds up the next round: a hung worker must not delay requests that do
 #: not need it (its parts still fail at the round's deadline)
 STALLED_AFTER = 0.5
-
-
-class WorkerError(RuntimeError):
-    """A request failed because of a worker (closed, timed out, error reply, bad reply)."""
-
-    code = P.WORKER_FAILED
-
-
-class NoHealthyWorker(WorkerError):
-    """No healthy worker hosts an expert the request needs."""
-
-    code = P.UNAVAILABLE
-
-
-@dataclass
-class BatchStats:
-    """Per-round timing (seconds) and sizes. ``compute_s`` is the slowest worker's own
-    measurement (the critical path); ``wait_s`` is from the last send to the last reply,
-    so ``wait_s - compute_s`` is roughly what the transport and queueing cost."""
-
-    requests: int = 0
-    tokens: int = 0
-    rows: int = 0
-    workers: int = 0
-    dropped: int = 0
-    overflow: int = 0
-    retried: int = 0
-    queue_s: float = 0.0  # the longest a request of this round waited to be dispatched
-    route_s: float = 0.0
-    dispatch_s: float = 0.0
-    gather_s: float = 0.0  # the part of dispatch_s that copies tokens into the send slots
-    compute_s: float = 0.0
-    compute_total_s: float = 0.0
-    wait_s: float = 0.0
-    combine_s: float = 0.0
-    total_s: float = 0.0
-    messages: int = 0  # messages sent (more than ``workers`` when parts went in chunks)
-    busiest_s: float = 0.0  # the busiest worker's time handling this round's messages (its
-    # own receive-to-reply clocks), so total_s - busiest_s is its time with no token to compute
-
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-class Request:
-    """One token batch inside the gateway, across its attempts."""
-
-    __slots__ = ("x", "tag", "layer", "routing", "plan", "pins", "error", "attempts", "round", "bases", "waiting",
-                 "finished", "arrived", "acc", "out", "used", "served")
-
-    def __init__(self, x: np.ndarray, tag: Any = None, layer: int = P.DEFAULT_LAYER,
-                 out: Optional[np.ndarray] = None):
-        self.x: Optional[np.ndarray] = x
-        self.tag = tag  # the caller's (the server keeps the client connection and message there)
-        self.layer = layer
-        self.routing: Optional[Routing] = None
-        self.plan: Optional[DispatchPlan] = None
-        self.pins: dict = {}  # expert -> the weights version a hot update decided for this request
-        self.used: dict = {}  # expert -> the version every group of its rows was pinned to (the answer's)
-        self.served: Optional[int] = None  # the served set's generation when it was routed
-        self.error: Optional[Exception] = None
-        self.attempts = 0
-        self.round: Optional["Round"] = None
-        self.bases: dict = {}  # worker -> first row of this request in the worker's block
-        self.waiting: set = set()  # workers whose reply this request still needs
-        self.finished = False
-        self.arrived = time.perf_counter()
-        self.acc: Optional[ChunkSum] = None  # float32 sum of a chunked round's replies so far
-        # where the caller wants the output, if known when it is dispatched: a float32 one is
-        # a chunked round's sum itself, so nothing is copied once the last chunk is in
-        self.out = out
-
-    @property
-    def num_tokens(self) -> int:
-        return 0 if self.x is None else int(self.x.shape[0])
-
-    def versions(self) -> list:
-        """[[expert, version], ...] pinned for this request (during a hot update)."""
-        return [[e, v] for e, v in sorted(self.pins.items())]
-
-    def expert_versions(self) -> list:
-        """[[expert, version], ...] of every expert that computed rows of this request."""
-        return [[e, v] for e, v in sorted(self.used.items())]
-
-    def combine(self, out: np.ndarray) -> np.ndarray:
-        """The weighted combine of this request's expert outputs into ``out`` (T, d), from
-        the replies where they landed."""
-        if self.error is not None:
-            raise self.error
-        rnd = self.round
-        t = time.perf_counter()
-        if self.acc is not None:  # a chunked round: summed as the chunks landed
-            self.plan.finish(self.acc, out)
-            self.drop_sum()
-            rnd.stats.combine_s += time.perf_counter() - t
-            rnd.combined()
-            return out
-        outputs = []
-        for w in range(self.plan.n_workers):
-            n = self.plan.worker_tokens(w)
-            if n == 0:
-                outputs.append(None)
-            else:
-                base = self.bases[w]
-                outputs.append(rnd.replies[w][0][1][base:base + n])
-        self.plan.combine(outputs, out, sums=rnd.sums)
-        rnd.stats.combine_s += time.perf_counter() - t
-        rnd.combined()
-        return out
-
-    def drop_sum(self) -> None:
-        """Its chunked sum is done with (combined, or its round given up)."""
-        acc, self.acc = self.acc, None
-        if acc is not None:
-            acc.release()
-
-    def release(self) -> None:
-        """Done with this request's outputs: its share of the replies goes back."""
-        rnd, self.round = self.round, None
-        if rnd is not None:
-            rnd.detach(self)
-        self.drop_sum()
-        self.x = self.out = None
-
-
-class Round:
-    def __init__(self, rid: int, requests: list, deadline: float, layer: int = P.DEFAULT_LAYER,
-                 sums: Optional[SumBuffers] = None):
-        self.id = rid
-        self.sums = sums  # where its requests' float32 sums are taken from
-        self.layer = layer
-        self.requests = requests
-        self.deadline = deadline
-        self.rows: dict = {}  # worker -> rows of its part
-        self.bounds: dict = {}  # worker -> its part's chunk offsets [0, ..., rows] ([0, rows]: one message)
-        self.groups: dict = {}  # worker -> its part's groups (expert, start, count[, version])
-        self.replies: dict = {}  # worker -> per chunk: (Message, (rows, d) view), or None
-        self.nchunks: dict = {}  # worker -> messages its part goes in
-        self.left: dict = {}  # worker -> chunks not answered yet
-        self.left_rows: dict = {}  # worker -> rows not answered yet (they count as its load)
-        self.sent: dict = {}  # worker -> chunks sent
-        self.last_reply: dict = {}  # worker -> (its reply clock t_out, our receive time) of its last chunk
-        self.sent_t: dict = {}  # (worker, chunk) -> when we sent it (chunked parts only)
-        self.gather_t: dict = {}  # (worker, chunk) -> when we began its gather (chunks after the first)
-        self.answered: set = set()  # (worker, chunk) answered
-        self.busy: dict = {}  # worker -> its seconds handling our messages (receive to reply)
-        self.compute: dict = {}  # worker -> its compute seconds
-        self.msg_ids: list = []  # (worker, message id) of its chunks (the book maps them back)
-        self.outstanding: set = set()  # workers whose part has not been answered (nor failed)
-        self.alone = True  # no other round was out during its life (its idle times are its own)
-        self.eligible = False  # auto, and the size model would chunk it (ChunkMode measures these)
-        self.users: dict = {}  # worker -> requests of this round still using its reply
-        # a round timed for the chunk choice: called with its seconds from its plan to its
-        # last request's combine, once that is done (to_combine: requests still to combine)
-        self.on_combined: Optional[Callable[["Round", float], None]] = None
-        self.to_combine = 0
-        self.stats = BatchStats(requests=len(requests))
-        self.worker_faults = 0  # minor page faults its workers' replies said they took
-        self._faults0 = minor_faults()
-        self._t0 = time.perf_counter()
-        self.sent_at = self._t0
-        self.started = time.monotonic()
-
-    def combined(self) -> None:
-        """One of its requests was combined: the last one ends a timed round's clock."""
-        if self.on_combined is not None:
-            self.to_combine -= 1
-            if self.to_combine <= 0:
-                done, self.on_combined = self.on_combined, None
-                done(self, time.perf_counter() - self._t0)
-
-    @property
-    def faults(self) -> int:
-        """Minor page faults taken while it was out, here and (as their replies said) on its
-        workers: a round that wrote fresh memory (a new slot's pages, a first large batch)
-        pays for it, once, in its time."""
-        return minor_faults() - self._faults0 + self.worker_faults
-
-    def detach(self, req: Request) -> None:
-        for w in req.bases:
-            n = self.users.get(w, 0) - 1
-            self.users[w] = n
-            if n <= 0 and w in self.replies:
-                self.release_replies(w)
-
-    def release_replies(self, w: int) -> None:
-        for got in self.replies.pop(w, ()):
-            if got is not None:
-                got[0].release()
-
-    @property
-    def chunked(self) -> bool:
-        return any(len(b) > 2 for b in self.bounds.values())
-
-    def chunks_of(self, req: Request, w: int) -> range:
-        """The chunks of worker ``w``'s part that hold ``req``'s rows."""
-        base, b = req.bases[w], self.bounds[w]
-        return range(bisect_right(b, base) - 1, bisect_left(b, base + req.plan.worker_tokens(w)))
-
-    def chunk_bounds(self, w: int, c: int) -> tuple[int, int]:
-        b = self.bounds[w]
-        return b[c], b[c + 1]
-
-    @property
-    def settled(self) -> bool:
-        """Every part answered or failed, and no request uses a reply any more."""
-        return not self.outstanding and not self.replies
-
-
-def n_ids(router) -> int:
-    """Expert ids a router routes to: a FamilyRouter's shared pieces included."""
-    return int(getattr(router, "n_ids", router.n_experts))
-
-
-def slots_per_token(router) -> int:
-    """Rows one token may occupy: top-k, plus a FamilyRouter's shared pieces."""
-    return int(router.top_k + getattr(router, "n_shared", 0))
 
 
 class RoundBook:
@@ -292,9 +73,6 @@ class RoundBook:
                  next_id: Optional[Callable[[], int]] = None, balancing: str = "load-aware",
                  pinned_router: Optional[Callable[[int, dict], Any]] = None,
                  chunk_rows: ChunkSetting = "auto", served: Optional[ServedSet] = None) -> None:
-        if balancing not in BALANCING:
-            raise ValueError(f"balancing must be one of {BALANCING}, got {balancing!r}")
-        self.balancing = balancing
         self.workers = workers
         # a dict is kept as it is: the pool shares it with its Rollout (a finished update
         # installs a new router there)
@@ -303,17 +81,13 @@ class RoundBook:
         self.router = next(iter(self.routers.values()))  # the first (or only) layer's
         self.dtype = np.dtype(dtype)
         self.d_model = self.router.d_model
-        self.n_experts = n_ids(self.router)
-        self.n_ids = {L: n_ids(r) for L, r in self.routers.items()}
-        self.pinned_router = pinned_router or (lambda layer, pins: None)
-        self.max_batch_tokens = max_batch_tokens
         self.row_bytes = self.d_model * self.dtype.itemsize
         self.timeout = timeout
-        self.split_replicas, self.min_split = split_replicas, min_split
-        self.decide_pins = decide_pins or (lambda layer: {})
-        # what the gateway serves: every group is pinned to its expert's served version (or
-        # the update's pin), so a worker computes it with exactly that version or refuses
-        self.served = served
+        self.costs = RoundCosts(workers)  # what rounds cost, fed to chunking (an observer)
+        self.planner = Planner(workers, self.routers, dtype=self.dtype, max_batch_tokens=max_batch_tokens,
+                               split_replicas=split_replicas, min_split=min_split, balancing=balancing,
+                               decide_pins=decide_pins, pinned_router=pinned_router, served=served,
+                               chunk_mode=self.costs.chunk_mode)
         self._ids = next_id or _counter()
         self.rounds: dict[int, Round] = {}
         self.sums = SumBuffers()  # float32 sums of narrow outputs, reused (fresh pages fault)
@@ -322,13 +96,13 @@ class RoundBook:
         self._avoid: frozenset = frozenset()  # workers a retry round must not use
         self.retried = 0
         self.chunk_rows = parse_chunk_rows(chunk_rows)
-        self.chunk_mode = ChunkMode()  # auto: chunks at all, from measured round costs
-        # settled rounds' page faults: a round that wrote fresh memory here slows the compute
-        # of its workers beside it, and their rates in it are left out (see _reply)
-        self.round_faults = ColdFilter()
         self._msgs: dict[tuple, tuple] = {}  # (worker, message id) -> (round, chunk)
         self._backlog: dict[int, deque] = {}  # worker -> (round, chunk) its connection could not take yet
         self.clock = ReplyClock()  # when each worker's last message is due back (the loop spins for it)
+
+    @property
+    def balancing(self) -> str:
+        return self.planner.balancing
 
     # -- dispatch ------------------------------------------------------------------------------
     def dispatch(self, requests: Sequence[Request], avoid: frozenset = frozenset()) -> Optional[Round]:
@@ -380,13 +154,11 @@ class RoundBook:
         self._plan(rnd)
         self.rounds[rnd.id] = rnd
         self._send(rnd)
-        self._sums(rnd)
+        start_sums(rnd, self.d_model, self.sums)
         rnd.stats.dispatch_s = time.perf_counter() - t
         rnd.sent_at = time.perf_counter()
         if self.chunk_rows == "auto":  # the next round's chunk sizes, while the workers compute
-            for w, rows in rnd.rows.items():
-                link = self.workers[w]
-                link.chunk_sizer.prepare(rows, "auto", link.chunk_costs, rnd.groups[w])
+            self.costs.prepare_next(rnd)
         self._check_settled(rnd)
         return rnd
 
@@ -400,46 +172,15 @@ class RoundBook:
         return frozenset((req.layer, e) for e in np.flatnonzero(req.routing.expert_counts).tolist())
 
     def _route(self, req: Request) -> bool:
-        x = req.x
-        router = self.routers.get(req.layer)
-        if router is None:
-            return self._fail(req, ValueError(f"layer {req.layer} is not served here (layers: "
-                                              f"{sorted(self.routers)})"))
-        if x.ndim != 2 or x.shape[1] != self.d_model or x.dtype != self.dtype:
-            return self._fail(req, ValueError(f"batch must be (T, {self.d_model}) {P.dtype_name(self.dtype)}, "
-                                              f"got {x.shape} {P.dtype_name(x.dtype)}"))
-        if x.shape[0] > self.max_batch_tokens:
-            return self._fail(req, ValueError(f"batch of {x.shape[0]} tokens exceeds max_batch_tokens "
-                                              f"{self.max_batch_tokens}"))
-        # pins first: a hot update that brings its own router routes the requests it serves
-        req.pins = self.decide_pins(req.layer)
-        req.served = self.served.generation if self.served is not None else None
-        router = self.pinned_router(req.layer, req.pins) or router
-        try:
-            req.routing = router.route(x)
-        except ValueError as e:
-            return self._fail(req, e)
-        return True
+        err = self.planner.route(req)
+        return True if err is None else self._fail(req, err)
 
     def hosts(self, expert: int, avoid: frozenset = frozenset(), layer: int = P.DEFAULT_LAYER) -> list[int]:
-        avoid = avoid or self._avoid
-        return [w.index for w in self.workers if w.usable and w.hosts(expert, layer) and w.index not in avoid]
+        return self.planner.hosts(expert, avoid or self._avoid, layer)
 
     def _hosted(self, req: Request) -> bool:
-        needed = np.flatnonzero(req.routing.expert_counts)
-        L = req.layer
-        if self.served is not None and self.served.blocked:
-            why = [self.served.why_blocked((L, int(e))) for e in needed]
-            why = [w for w in why if w is not None]
-            if why:
-                return self._fail(req, NoHealthyWorker("not served: " + "; ".join(why)))
-        lost = [int(e) for e in needed if not self.hosts(int(e), layer=L)]
-        if not lost:
-            return True
-        of = f" of layer {L}" if len(self.routers) > 1 or L != P.DEFAULT_LAYER else ""
-        why = "; ".join(f"expert {e}{of} on " + (", ".join(w.describe() for w in self.workers if w.hosts(e, L))
-                                                 or "no worker") for e in lost)
-        return self._fail(req, NoHealthyWorker(f"no healthy worker for {why}"))
+        err = self.planner.unserved(req, self._avoid)
+        return True if err is None else self._fail(req, err)
 
     def _fail(self, req: Request, err: Exception) -> bool:
         req.error = err
@@ -453,70 +194,10 @@ class RoundBook:
             self._finished.append(req)
 
     def _plan(self, rnd: Round) -> None:
-        reqs = rnd.requests
-        idx = np.concatenate([r.routing.topk_idx for r in reqs]) if len(reqs) > 1 else reqs[0].routing.topk_idx
-        n_experts = self.n_ids[rnd.layer]
-        counts = np.bincount(idx[idx >= 0].ravel(), minlength=n_experts)
-        load = np.array([w.outstanding_rows for w in self.workers], dtype=np.float64)
-        hosts = {e: self.hosts(e, layer=rnd.layer) for e in range(n_experts) if counts[e]}
-        if self.balancing == "least-loaded":
-            cost = np.array([w.seconds_per_row for w in self.workers], dtype=np.float64)
-            replicas, shares = choose_least_loaded(counts, hosts, load, cost)
-        else:
-            replicas, shares = choose_replicas(counts, hosts, load, split=self.split_replicas,
-                                               min_split=self.min_split)
-        # one assignment over the round, so a replicated expert is balanced across requests
-        if all(len(ws) == 1 for ws in replicas.values()):  # no split: a table lookup is enough
-            table = np.full(n_experts + 1, -1, dtype=np.int64)  # table[-1]: a dropped slot's -1
-            for e, ws in replicas.items():
-                table[e] = ws[0]
-            assign = table[idx]
-        else:
-            assign = split_over_replicas(idx, replicas, shares)
-        at = 0
-        n_workers = len(self.workers)
-        for r in reqs:
-            T = r.routing.num_tokens
-            r.plan = DispatchPlan.from_assignment(r.routing.topk_idx, r.routing.topk_weights,
-                                                  assign[at:at + T], n_workers, n_experts=n_experts)
-            at += T
-            r.bases, r.waiting, r.used = {}, set(), {}
-        for w in range(n_workers):
-            base = 0
-            for r in reqs:
-                n = r.plan.worker_tokens(w)
-                if n:
-                    r.bases[w] = base
-                    base += n
-            if base:
-                rnd.rows[w] = base
-                rnd.groups[w] = self._part_groups(rnd, w)
-                link = self.workers[w]
-                costs = link.chunk_costs
-                size, edge = link.chunk_sizer.choose(base, self.chunk_rows, costs, rnd.groups[w])
-                rnd.bounds[w] = split_part(rnd.groups[w], base, size, costs.front_growth(base), edge,
-                                           costs.back_growth(base))
-        # auto: the size model would chunk this round; measured costs say whether to
-        rnd.eligible = self.chunk_rows == "auto" and rnd.chunked
-        if rnd.eligible and not self.chunk_mode.want_chunks(measurable=rnd.alone):
-            rnd.bounds = {w: [0, n] for w, n in rnd.rows.items()}
-        for w in rnd.rows:
-            users = [r for r in reqs if w in r.bases]
-            rnd.users[w] = len(users)
-            for r in users:
-                r.waiting.update((w, c) for c in rnd.chunks_of(r, w))
-        for r in reqs:
-            r.drop_sum()  # a chunked round's sums are made once its messages are out (_sums)
+        self.planner.plan(rnd, self.chunk_rows, self._avoid)
+        for r in rnd.requests:
             if not r.waiting:  # every token dropped by capacity: nothing to wait for
                 self._finish(r)
-
-    def _sums(self, rnd: Round) -> None:
-        """A chunked round's sums, made after its messages went (the first reply can only be
-        read after this returns): off the path to the first worker's start."""
-        if rnd.chunked:
-            for r in rnd.requests:
-                if r.round is rnd and r.waiting and r.acc is None:
-                    r.acc = r.plan.accumulator(self.d_model, into=r.out, sums=self.sums)
 
     def _send(self, rnd: Round) -> None:
         """Send every worker its part, chunk by chunk across the workers: each worker's first
@@ -550,25 +231,6 @@ class RoundBook:
                 w.conn.yield_to_peer()  # it reads this chunk while we gather the next
         rnd.stats.rows = sum(rnd.rows.values())
         rnd.stats.workers = len(rnd.rows)
-
-    def _part_groups(self, rnd: Round, w_index: int) -> list:
-        """Worker ``w_index``'s groups of ``rnd``, each pinned to the version it is computed
-        with (recorded on its request: the answer says which versions made it)."""
-        groups = []
-        table = self.served.versions(rnd.layer) if self.served is not None else None
-        for r in rnd.requests:
-            base = r.bases.get(w_index)
-            if base is None:
-                continue
-            pins, used = r.pins, r.used
-            for e, s, c in r.plan.groups(w_index):
-                v = pins[e] if e in pins else (table[e] if table is not None else None)
-                if v is None:
-                    groups.append((e, base + s, c))
-                else:
-                    groups.append((e, base + s, c, v))
-                    used[e] = v
-        return groups
 
     def _may_wait(self, w_index: int) -> bool:
         """Whether a chunk that ``w_index``'s connection cannot take now may wait: only while
@@ -633,9 +295,7 @@ class RoundBook:
         st = rnd.stats
         st.messages += 1
         st.gather_s += t1 - t0
-        t2 = time.perf_counter()
-        w.chunk_costs.record_send(t2 - t1, rows)
-        w.chunk_costs.record_gather(t2 - t0, rows)
+        self.costs.sent(w, t0, t1, rows)
         w.rows_sent += rows
         w.batches_sent += 1
         for g in groups:
@@ -699,16 +359,7 @@ class RoundBook:
         w.cpu_s = float(h.get("cpu_s", w.cpu_s))
         faults = w.faults_since(h.get("flt"))
         rnd.worker_faults += faults
-        busy = _duration(h, cs)
-        warm = not w.chunk_costs.cold_reply(faults)
-        if warm:
-            # nor a round that has faulted in fresh memory so far: the gateway's faults slow the
-            # worker's compute beside them, and a rate measured then prices chunks out (see
-            # docs/performance.md#constants-chosen-by-measurement)
-            if not self.round_faults.is_cold(rnd.faults):
-                w.chunk_costs.record_compute(rows, cs)
-            w.chunk_costs.record_serve(busy - cs)
-        self._record_gap(rnd, w, c, h, measure=warm)
+        warm, busy = self.costs.replied(rnd, w, c, h, rows, cs, faults)
         st = rnd.stats
         rnd.compute[w.index] = rnd.compute.get(w.index, 0.0) + cs
         rnd.busy[w.index] = rnd.busy.get(w.index, 0.0) + busy
@@ -720,21 +371,10 @@ class RoundBook:
         if not users or w.index not in rnd.replies:
             msg.release()  # every request that needed it has gone (retried or failed)
         elif rnd.chunked:  # added where it landed, then given back: the worker's credit returns
-            t = time.perf_counter()
-            y = msg.array(0, self.dtype, (rows, self.d_model))
-            for r in users:
-                base = r.bases[w.index]
-                a, b = max(lo, base), min(hi, base + r.plan.worker_tokens(w.index))
-                r.plan.accumulate(w.index, a - base, b - base, y[a - lo:b - lo], r.acc)
+            add_chunk(rnd, w.index, lo, hi, users, msg.array(0, self.dtype, (rows, self.d_model)))
             msg.release()
-            now = time.perf_counter()
-            st.combine_s += now - t
-            if warm and w.local:  # its clock is ours
-                t_out, t_rx, began = h.get("t_out"), h.get("t_rx"), rnd.gather_t.get(key)
-                if isinstance(t_out, float):
-                    w.chunk_costs.record_out(now - t_out, rows)
-                if isinstance(t_rx, float) and began is not None:
-                    w.chunk_costs.record_in(t_rx - began, rows)
+            if warm:
+                self.costs.landed(rnd, w, c, h, rows, time.perf_counter())
         else:
             rnd.replies[w.index][c] = (msg, msg.array(0, self.dtype, (rows, self.d_model)))
         for r in users:
@@ -746,22 +386,6 @@ class RoundBook:
         self._check_settled(rnd)
         if self._backlog.get(w.index):
             self.pump()  # its reply returned a credit
-
-    @staticmethod
-    def _record_gap(rnd: Round, w: WorkerLink, c: int, h: dict, measure: bool = True) -> None:
-        """The worker's time from replying to chunk c - 1 to taking chunk c, when chunk c
-        was already sent as that reply came (each clock compared only with itself).
-        ``measure`` False: only note this reply's clocks, for the next chunk's gap."""
-        t_in, t_out = h.get("t_in"), h.get("t_out")
-        prev = rnd.last_reply.get(w.index)
-        now = time.perf_counter()
-        if isinstance(t_out, float):
-            rnd.last_reply[w.index] = (t_out, now)
-        sent = rnd.sent_t.get((w.index, c))
-        if measure and prev is not None and sent is not None and isinstance(t_in, float) and sent < prev[1] \
-                and t_in >= prev[0]:
-            lo, hi = rnd.chunk_bounds(w.index, c)
-            w.chunk_costs.record_gap(t_in - prev[0], hi - lo)
 
     @staticmethod
     def _answered(rnd: Round, w: WorkerLink, rows: int) -> None:
@@ -828,28 +452,12 @@ class RoundBook:
             rnd.stats.wait_s = now - rnd.sent_at
             rnd.stats.total_s = now - rnd._t0
             del self.rounds[rnd.id]
-            self.round_faults.remember(rnd.faults)
-            if rnd.alone and rnd.rows and not any(r.error is not None for r in rnd.requests):
-                # timed to its last combine: a part sent whole is combined after its last
-                # reply, and that combine is what chunks, summed as they land, hide
-                rnd.to_combine = sum(r.round is rnd for r in rnd.requests)
-                rnd.on_combined = self._timed
-                if not rnd.to_combine:
-                    rnd.combined()
+            self.costs.settled(rnd, timed=rnd.alone and bool(rnd.rows)
+                               and not any(r.error is not None for r in rnd.requests))
             for key in rnd.msg_ids:  # a late reply to one of them is now unknown: released
                 self._msgs.pop(key, None)
                 self.clock.forget(key[0], (key[1],))
             self._settled.append(rnd)
-
-    def _timed(self, rnd: Round, seconds: float) -> None:
-        """A round alone in flight, from its plan to its last combine: each worker's time in
-        it with no token to compute (parts sent whole: what chunks could hide), and, for
-        rounds the size model would chunk, its time per row, whole or chunked."""
-        for wi, busy in rnd.busy.items():
-            if len(rnd.bounds[wi]) == 2:
-                self.workers[wi].chunk_costs.record_idle(max(0.0, seconds - busy))
-        if rnd.eligible:
-            self.chunk_mode.record(rnd.chunked, seconds, sum(rnd.rows.values()), rnd.faults)
 
     # -- what the owner takes --------------------------------------------------------------------
     def take_finished(self) -> list[Request]:
@@ -922,20 +530,6 @@ _LATER = object()  # _send_chunk: the connection cannot take it yet, but will
 def _needs(req: Request, w_index: int) -> bool:
     """Whether ``req`` still waits for a chunk of worker ``w_index``."""
     return any(k[0] == w_index for k in req.waiting)
-
-
-def minor_faults() -> int:
-    """This process's minor page faults so far."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def _duration(h: dict, compute_s: float) -> float:
-    """The worker's time handling a message, from the receive and reply clocks its reply
-    carries (its compute alone from a worker that sends none)."""
-    t_in, t_out = h.get("t_in"), h.get("t_out")
-    if isinstance(t_in, float) and isinstance(t_out, float) and 0.0 <= t_out - t_in < 3600.0:
-        return t_out - t_in
-    return compute_s
 
 
 def _counter():

@@ -25,7 +25,7 @@ import numpy as np
 import transport
 from gateway.batcher import Batcher
 from gateway.pool import WorkerPool
-from gateway.rounds import BatchStats, Request
+from gateway.requests import BatchStats, Request
 from gateway.update import UpdateError
 from transport.service.connbook import ConnectionBook
 from transport.service.loop import ServeLoop, buffer_view
@@ -240,7 +240,7 @@ class GatewayServer:
         req = Request(x, _Client(conn, msg, rid), batch.layer)
         experts = None
         if self.batcher.needs_experts:  # expert-aware batching: route now (dispatch then skips it)
-            experts = pool.rounds.route_early(req)
+            experts = pool.route_early(req)
             if experts is None:  # refused (its error is answered with the finished ones)
                 return
         self.batcher.add(req, batch.rows, time.monotonic(), experts)
@@ -250,42 +250,17 @@ class GatewayServer:
         finish, rollback or status; see gateway/rollout.py. Bad ones are RequestErrors."""
         action = h.get("action")
         try:
-            if action == "settle":
-                return self.pool.rollout.settle(h.get("experts"), h.get("version"), layer=h.get("layer"),
-                                                weights=h.get("weights"), seed=h.get("seed"),
-                                                checkpoint=h.get("checkpoint"))
-            if action == "served":
-                return {"state": "served", **self.pool.served.status(), "update": self.pool.rollout.status(),
-                        "admission": self.pool.admission.snapshot()}
-            if action == "start":
-                return self.pool.rollout.start(h.get("experts"), h.get("version"), weights=h.get("weights"),
-                                               seed=h.get("seed"), checkpoint=h.get("checkpoint"),
-                                               layer=h.get("layer"), steps=h.get("steps"),
-                                               auto_interval=h.get("auto_interval"))
-            return self.pool.rollout.command(str(action), h.get("fraction"))
+            return self.pool.hot_update(action, h)
         except (UpdateError, TypeError, ValueError) as e:
             raise P.RequestError(P.BAD_REQUEST, f"update {action}: {e}") from None
 
     def pong(self, rid: Optional[int]) -> dict:
-        pool = self.pool
-        return {"op": P.PONG, "id": rid, "gateway": self.stats.as_dict(), "workers": pool.stats(),
-                "queued": len(self.batcher), "rounds_in_flight": pool.in_flight,
-                "cpu_s": time.process_time(), "pid": os.getpid(), "serve": self.loop.stats.as_dict(),
-                "update": pool.rollout.status(), "reply_spin": pool.rounds.clock.snapshot(),
-                "served": pool.served.status(), "admission": pool.admission.snapshot(),
-                "config": {"max_batch_tokens": self.max_batch_tokens,
-                           "max_wait_ms": self.batcher.max_wait * 1000,
-                           "max_inflight_rounds": self.batcher.max_inflight_rounds,
-                           "batching": self.batcher.policy, "balancing": pool.rounds.balancing,
-                           "chunk_rows": pool.chunk_rows,
-                           # auto: what rounds alone in flight cost per row, whole and chunked
-                           "chunk_costs": pool.chunk_choice(),
-                           "replicas": pool.replication(),
-                           "n_experts": pool.n_experts, "top_k": pool.router.top_k,
-                           "d_model": pool.d_model, "dtype": P.dtype_name(pool.dtype),
-                           "router": pool.router.describe(),
-                           "layers": [[L, pool.routers[L].describe(), pool.fingerprints.get(L)]
-                                      for L in pool.layers]}}
+        pool = self.pool.status()
+        pool["config"].update({"max_batch_tokens": self.max_batch_tokens, "max_wait_ms": self.batcher.max_wait * 1000,
+                               "max_inflight_rounds": self.batcher.max_inflight_rounds,
+                               "batching": self.batcher.policy})
+        return {"op": P.PONG, "id": rid, "gateway": self.stats.as_dict(), **pool, "queued": len(self.batcher),
+                "cpu_s": time.process_time(), "pid": os.getpid(), "serve": self.loop.stats.as_dict()}
 
     # -- rounds ------------------------------------------------------------------------------
     def _tick(self, now: float) -> Optional[float]:

@@ -982,7 +982,7 @@ def test_worker_fault_counts_are_differences_between_replies():
 
 
 def test_a_round_counts_the_faults_it_took_here_and_on_its_workers():
-    from gateway.rounds import Round
+    from gateway.requests import Round
     import mmap
     rnd = Round(1, [], deadline=0.0)
     rnd.worker_faults = 7

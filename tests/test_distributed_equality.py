@@ -216,7 +216,7 @@ def test_round_timed_to_its_last_combine(backend):
         timed = [w.chunk_costs.idle_s for w in pool.workers if w.chunk_costs.idle_s is not None]
         assert len(timed) == stats.workers and all(idle >= stats.combine_s > 0 for idle in timed)
         # a round not combined yet is not timed yet
-        from gateway.rounds import Request
+        from gateway.requests import Request
         before = [len(w.chunk_costs.idle) for w in pool.workers]  # samples taken
         req = Request(tokens(MAX_BATCH, 4))
         pool.rounds.dispatch([req])

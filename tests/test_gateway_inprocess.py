@@ -353,7 +353,7 @@ def test_compute_in_a_round_that_faulted_here_is_not_measured(monkeypatch):
     own: once the round's faults so far are COLD_FAULTS past the fewest of the last rounds',
     its replies' compute rates are left out of the size model's. The next warm round's
     count again; the messages' own costs are measured throughout."""
-    import gateway.rounds as R
+    import gateway.requests as R
     from gateway.chunking import COLD_FAULTS
     with _chunking_pool() as (fw, pool):
         costs = pool.workers[0].chunk_costs

@@ -13,7 +13,7 @@ from gateway.dispatch import DispatchPlan
 from gateway.layer import load_gateway_layers
 from gateway.pool import WorkerPool
 from gateway.reference import CheckpointMoE
-from gateway.rounds import Request
+from gateway.requests import Request
 from gateway.router import Router
 from gateway.supervisor import placement
 from gateway.workers import LayerShape, check_layers
