@@ -24,7 +24,8 @@ from typing import Optional
 from gateway.control import ControlChannel
 from gateway.rollout import Rollout
 from gateway.served import ServedSet, Step, key_name, next_step, show_source
-from gateway.workers import Health, WorkerLink, WorkerSet
+from gateway.worker_link import Health, WorkerLink
+from gateway.workers import WorkerSet
 from workers import protocol as P
 
 log = logging.getLogger("moe.admission")

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from gateway.workers import WorkerLink, WorkerSet
+from gateway.worker_link import WorkerLink
+from gateway.workers import WorkerSet
 from workers import protocol as P
 
 log = logging.getLogger("moe.control")

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gateway.update import State
-from gateway.workers import Health as WorkerHealth
+from gateway.worker_link import Health as WorkerHealth
 from transport.service.connbook import ConnectionBook
 from transport.service.health import Health, Heartbeat
 from transport.service.metrics import FnCollector, build_info, serve_families, transport_families

@@ -363,7 +363,7 @@ class RayWorkers:
         """Ask the actors of lost workers where they listen now (in threads)."""
         if self.links is None or self._closed:
             return None
-        from gateway.workers import Health
+        from gateway.worker_link import Health
 
         nxt = now + 0.25
         for i, link in enumerate(self.links):

@@ -24,7 +24,8 @@ from gateway.requests import BatchStats, Request, WorkerError, n_ids, slots_per_
 from gateway.rounds import RoundBook
 from gateway.router import Router
 from gateway.served import ServedSet
-from gateway.workers import LayerShape, WorkerLink, WorkerSet
+from gateway.worker_link import LayerShape, WorkerLink
+from gateway.workers import WorkerSet
 from transport.service import secrets
 from transport.service.loop import ServeLoop
 from workers import protocol as P

@@ -31,7 +31,8 @@ import numpy as np
 from gateway.control import ControlChannel
 from gateway.served import ServedSet, Weights
 from gateway.update import DEFAULT_STEPS, State, Update, UpdateError, check_steps
-from gateway.workers import WorkerLink, WorkerSet
+from gateway.worker_link import WorkerLink
+from gateway.workers import WorkerSet
 from workers import protocol as P
 
 log = logging.getLogger("moe.rollout")

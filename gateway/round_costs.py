@@ -19,7 +19,8 @@ from gateway.chunking import ChunkMode, ColdFilter
 
 if TYPE_CHECKING:
     from gateway.requests import Round
-    from gateway.workers import WorkerLink, WorkerSet
+    from gateway.worker_link import WorkerLink
+    from gateway.workers import WorkerSet
 
 
 class RoundCosts:

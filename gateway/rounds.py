@@ -45,7 +45,8 @@ from gateway.reply_clock import ReplyClock
 from gateway.requests import NoHealthyWorker, Request, Round, WorkerError
 from gateway.round_costs import RoundCosts
 from gateway.served import ServedSet
-from gateway.workers import WorkerLink, WorkerSet
+from gateway.worker_link import WorkerLink
+from gateway.workers import WorkerSet
 from transport import TransportError
 from workers import protocol as P
 

@@ -969,7 +969,7 @@ def test_chunk_mode_takes_a_way_that_always_faults_after_a_run_of_cold_rounds():
 
 
 def test_worker_fault_counts_are_differences_between_replies():
-    from gateway.workers import WorkerLink
+    from gateway.worker_link import WorkerLink
     w = WorkerLink(index=0, url="tcp://127.0.0.1:1")
     assert w.faults_since(None) == 0 and w.faults is None  # a reply that does not say
     assert w.faults_since(1000) == 1000  # the first reply: its start-up

@@ -238,7 +238,7 @@ def test_chunks_of_local_workers_time_each_way(backend, way, monkeypatch):
     worker computes on its loop's thread and reads a chunk only between computes. A worker
     elsewhere measures neither way, and its ramps keep the whole round's growth."""
     import gateway.chunking as chunking
-    from gateway.workers import WorkerLink
+    from gateway.worker_link import WorkerLink
     b = _backend(backend)
     monkeypatch.setattr(chunking, "OUT_ROWS", 1)  # these workers take 96 rows at most
     samples, growth = {"in": ("into", "front_growth"), "back": ("out", "back_growth")}[way]
@@ -274,7 +274,7 @@ def test_chunks_of_local_workers_time_each_way(backend, way, monkeypatch):
 
 
 def test_a_worker_is_local_by_its_url():
-    from gateway.workers import WorkerLink
+    from gateway.worker_link import WorkerLink
     assert WorkerLink(0, "shm:///moe-w0").local
     assert WorkerLink(0, "tcp://127.0.0.1:5000").local and WorkerLink(0, "rdma://[::1]:5000").local
     assert not WorkerLink(0, "tcp://192.0.2.7:5000").local  # (never connected to)

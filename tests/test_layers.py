@@ -16,7 +16,7 @@ from gateway.reference import CheckpointMoE
 from gateway.requests import Request
 from gateway.router import Router
 from gateway.supervisor import placement
-from gateway.workers import LayerShape, check_layers
+from gateway.worker_link import LayerShape, check_layers
 from tests.ckpt_helpers import tiny_checkpoint
 from workers import bf16
 from workers import protocol as P

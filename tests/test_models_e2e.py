@@ -232,7 +232,7 @@ def test_a_worker_back_with_another_checkpoint_is_refused(saved):
     """At a reconnect (a worker moved to a new URL): refused, reported, never served."""
     from gateway.layer import load_gateway_layers
     from gateway.pool import WorkerPool
-    from gateway.workers import Health
+    from gateway.worker_link import Health
     from tests.helpers_procs import secret
 
     _, a = saved("mixtral")

@@ -97,7 +97,7 @@ def test_least_loaded_weighs_rows_by_the_workers_measured_speed():
 
 
 def test_a_workers_speed_is_weighed_by_rows_not_by_replies():
-    from gateway.workers import WorkerLink
+    from gateway.worker_link import WorkerLink
 
     w = WorkerLink(0, "tcp://127.0.0.1:1")
     w.record_compute(1000 * 1e-6, 1000)  # a big block at 1 us per row
