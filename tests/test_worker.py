@@ -213,7 +213,7 @@ def test_hot_update_double_buffer_pin_and_retire(worker, tmp_path):
         y, _ = _forward(conn, 23, x, [[5, 0, 12]])
         np.testing.assert_allclose(y, v0, rtol=1e-5, atol=1e-6)
         for header, code in ((P.request(P.LOAD, 24, expert=5, version=3, weights=str(tmp_path / "none.npz")), P.LOAD_FAILED),
-                             (P.request(P.LOAD, 25, expert=4, version=3, seed=1), P.UNKNOWN_EXPERT),
+                             (P.request(P.LOAD, 25, expert=P.MAX_EXPERT_ID, version=3, seed=1), P.UNKNOWN_EXPERT),
                              (P.request(P.LOAD, 26, expert=5, version=3), P.BAD_REQUEST),
                              (P.request(P.LOAD, 27, expert=5, version=-1, seed=1), P.BAD_REQUEST)):
             h = _op(conn, header)
@@ -489,3 +489,50 @@ def test_forwards_waiting_behind_one_are_read_before_it_computes(backend):
         assert a0 <= b0 <= a1 <= b1 <= a4 <= b4
         assert daemon.stats.errors == {P.UNKNOWN_EXPERT: 1}
         assert wait_until(lambda: daemon.in_flight == 0, timeout=5)
+
+
+def test_a_load_of_an_expert_not_hosted_adds_a_copy_up_to_max_experts_and_unhost_drops_it(worker):
+    """Live placement's worker side: loading an expert the worker does not host adds a
+    physical copy (from a seed here), served at that version and listed in info; more than
+    --max-experts (default: twice the start-up experts) is refused; unhost drops a copy and
+    its ids again, but never the worker's last expert."""
+    s = _service(worker)
+    conn = transport.connect(s.url, slot_size=1 << 16, nslots=4, timeout=10.0, secret=secret())
+    added = []
+    try:
+        assert _op(conn, P.request(P.INFO, 40))["max_experts"] == 2 * len(EXPERTS)
+        for rid, e in ((41, 2), (42, 3), (43, 4)):
+            h = _load(conn, rid, e, 0, seed=SEED)
+            assert h["op"] == P.LOADED and h["fingerprint"] == SwiGLUExpert.from_seed(e, D, F, seed=SEED).fingerprint
+            added.append(e)
+        info = _op(conn, P.request(P.INFO, 44))
+        assert info["experts"] == sorted(EXPERTS + (2, 3, 4)) and [3, 0, [0]] in info["versions"]
+        full = _load(conn, 45, 6, 0, seed=SEED)
+        assert full["op"] == P.ERROR and "at most 6" in full["message"], full
+        x = _tokens(9, seed=6)
+        y, _ = _forward(conn, 46, x, [[3, 0, 5], [0, 5, 4]])
+        np.testing.assert_allclose(y, _expected(x, [(3, 0, 5), (0, 5, 4)]), rtol=1e-5, atol=1e-6)
+        for rid, e in ((47, 2), (48, 3), (49, 4)):
+            assert _op(conn, P.request(P.UNHOST, rid, expert=e)) == {"op": P.UNHOSTED, "id": rid, "expert": e}
+            added.remove(e)
+        assert _op(conn, P.request(P.INFO, 50))["experts"] == sorted(EXPERTS)
+        with pytest.raises(P.RemoteError, match="unknown_expert"):
+            _forward(conn, 51, x, [[3, 0, 9]])
+        gone = _op(conn, P.request(P.UNHOST, 52, expert=3))
+        assert gone["op"] == P.ERROR and gone["code"] == P.UNKNOWN_EXPERT
+    finally:
+        for e in added:
+            _op(conn, P.request(P.UNHOST, 60 + e, expert=e))
+        conn.close()
+
+
+def test_a_worker_never_unhosts_its_last_expert(tmp_path):
+    with Services() as services:
+        w = services.worker("tcp", [4], d_model=D, d_ff=F, seed=SEED, max_tokens=MAX_TOKENS)
+        conn = transport.connect(w.url, slot_size=1 << 16, nslots=4, timeout=10.0, secret=secret())
+        try:
+            h = _op(conn, P.request(P.UNHOST, 1, expert=4))
+            assert h["op"] == P.ERROR and "only one" in h["message"]
+            assert _op(conn, P.request(P.INFO, 2))["experts"] == [4]
+        finally:
+            conn.close()

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest batch accepted, in rows (token-expert assignments); scratch and slots are "
                         "sized for it at start (default 2048; with --checkpoint, what a gateway's default "
                         "1024-token batch may send: 1024 x (top-k + shared pieces))")
+    m.add_argument("--max-experts", type=int, default=None, metavar="N",
+                   help="physical expert copies this worker may host: a gateway that moves or replicates "
+                        "experts (--eplb) adds copies up to this many (default: twice the experts it starts with)")
     m.add_argument("--update-dir", default=None, metavar="DIR",
                    help="hot update reads new weight files only from this directory (default: none, so "
                         "only seed updates)")
@@ -130,7 +133,8 @@ def build_daemon(args: argparse.Namespace, listen: str, secret: Optional[bytes],
                         io_timeout=args.io_timeout, drain_timeout=args.drain_timeout, drain_idle=args.drain_idle,
                         watch_parent=watch_parent, secret=secret, update_dir=args.update_dir,
                         max_connections=args.max_connections, idle_timeout=args.idle_timeout or None,
-                        compute_thread={"auto": None, "on": True, "off": False}[args.compute_thread])
+                        compute_thread={"auto": None, "on": True, "off": False}[args.compute_thread],
+                        max_experts=args.max_experts)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -127,7 +127,8 @@ class WorkerDaemon:
                  watch_parent: Optional[int] = None, secret: Optional[bytes] = None,
                  update_dir: Optional[str] = None, max_connections: int = 64,
                  idle_timeout: Optional[float] = None, fingerprints: Optional[Mapping[int, Optional[str]]] = None,
-                 checkpoint: Optional[str] = None, compute_thread: Optional[bool] = None) -> None:
+                 checkpoint: Optional[str] = None, compute_thread: Optional[bool] = None,
+                 max_experts: Optional[int] = None) -> None:
         if not experts:
             raise ValueError("a worker needs at least one expert")
         experts = {_key(k): ex for k, ex in experts.items()}
@@ -151,7 +152,8 @@ class WorkerDaemon:
         self.stats = WorkerStats(experts={e: ExpertCounters() for e in experts})
         self.loop = ServeLoop()
         self.versions = Versions(experts, max_tokens=self.max_tokens, dtype=self.dtype, update_dir=update_dir,
-                                 post=self.loop.call_soon_threadsafe, reply=self._control_reply)
+                                 post=self.loop.call_soon_threadsafe, reply=self._control_reply,
+                                 max_experts=max_experts, on_hosting=self._hosting_changed)
         size = slot_size or slot_size_for(self.max_tokens, self.d_model, self.dtype)
         self.listener = transport.listen(listen_url, slot_size=size, nslots=nslots, timeout=io_timeout,
                                          secret=secret, max_peer_nslots=PEER_NSLOTS)
@@ -271,7 +273,7 @@ class WorkerDaemon:
                 if not isinstance(start, int) or isinstance(start, bool) or start < 0:
                     raise P.RequestError(P.BAD_REQUEST, f"weights needs an integer start >= 0, got {start!r}")
                 self.loop.send(conn, P.weights_page(self.versions.weights(), start, rid))
-            elif op in (P.LOAD, P.RETIRE):
+            elif op in (P.LOAD, P.RETIRE, P.UNHOST):
                 if not conn.authenticated:
                     raise P.RequestError(P.UNAUTHORIZED, f"{op} is a control operation: it needs a connection "
                                                          "that proved the shared secret (--secret-file)")
@@ -279,8 +281,10 @@ class WorkerDaemon:
                     done = self.versions.start_load(conn, P.parse_load(header, self.layers))
                     if done is not None:
                         self._control_reply(conn, done)
-                else:
+                elif op == P.RETIRE:
                     self.loop.send(conn, self.versions.retire(rid, *P.parse_retire(header, self.layers)))
+                else:
+                    self.loop.send(conn, self.versions.unhost(rid, *P.parse_unhost(header, self.layers)))
             else:
                 self.loop.send(conn, self.info(rid))
         except P.RequestError as e:
@@ -288,6 +292,12 @@ class WorkerDaemon:
         except Exception as e:  # a bug must cost one request, never the worker
             log.exception("request %r failed", rid)
             self._reply_error(conn, msg, rid, P.INTERNAL, f"{type(e).__name__}: {e}")
+
+    def _hosting_changed(self) -> None:
+        """A physical copy was added or dropped: what forwards may name, and its counters."""
+        self.layers = layer_table(self.versions.active)
+        for key in self.versions.active:
+            self.stats.experts.setdefault(key, ExpertCounters())
 
     def _control_reply(self, conn, reply: dict) -> None:
         if reply.get("op") == P.ERROR:
@@ -429,7 +439,8 @@ class WorkerDaemon:
         h = {"op": P.INFO, "id": rid, "experts": self.expert_ids(), "versions": self.versions.table(),
              "layers": [[L, ids, self.fingerprints.get(L)] for L, ids in self.layers.items()],
              "d_model": self.d_model, "d_ff": self.d_ff, "dtype": P.dtype_name(self.dtype),
-             "max_tokens": self.max_tokens, "pid": os.getpid(), "url": self.url, "kernel": self.kernel}
+             "max_tokens": self.max_tokens, "pid": os.getpid(), "url": self.url, "kernel": self.kernel,
+             "max_experts": self.versions.max_experts}
         if self.checkpoint is not None:
             h["checkpoint"] = self.checkpoint
         return h

@@ -173,14 +173,16 @@ def _wrap(ex: Any, kind: str, wire: str, max_tokens: int, threads: Optional[int]
 
 # -- hot-update versions ---------------------------------------------------------------------
 
-def build_version(req: Any, path: Optional[str], ref: Any, *, max_tokens: int) -> Any:
+def build_version(req: Any, path: Optional[str], ref: Any, *, max_tokens: int, new: bool = False) -> Any:
     """The new version ``req`` (workers.protocol.LoadRequest) of the expert ``ref`` serves:
     from ``path`` (an .npz file or a checkpoint directory, already resolved inside the
-    worker's update directory) or a seed; the same kind of object as ``ref``."""
+    worker's update directory) or a seed; the same kind of object as ``ref``. ``new``: a
+    copy of an expert this worker does not host yet, built like ``ref`` (another expert of
+    the layer: its width may differ, a checkpoint's shared piece say)."""
     from workers.expert import SwiGLUExpert
 
     if req.checkpoint is not None:
-        ex = _from_checkpoint(req, path, ref, max_tokens)
+        ex = _from_checkpoint(req, path, ref, max_tokens, new)
     else:
         wire = bf16.dtype_name(ref.dtype)
         as_kernel = isinstance(ref, KernelExpert)
@@ -196,12 +198,12 @@ def build_version(req: Any, path: Optional[str], ref: Any, *, max_tokens: int) -
                              f"({ref.d_model}, {ref.d_ff})")
         ex.source = {"weights": req.weights} if path is not None else {"seed": req.seed}
         if as_kernel:
-            ex = _wrap(ex, ref.kernel.kind, wire, max_tokens, None, ref.scratch, layer=ref.layer)
+            ex = _wrap(ex, ref.kernel.kind, wire, max_tokens, None, ref.scratch, layer=req.layer)
     ex.version = req.version
     return ex
 
 
-def _from_checkpoint(req: Any, path: Optional[str], ref: Any, max_tokens: int) -> KernelExpert:
+def _from_checkpoint(req: Any, path: Optional[str], ref: Any, max_tokens: int, new: bool = False) -> KernelExpert:
     from workers.checkpoint import Checkpoint, layer_fingerprint, model_spec
     from workers.layer_experts import load_expert_kernels
 
@@ -215,7 +217,7 @@ def _from_checkpoint(req: Any, path: Optional[str], ref: Any, max_tokens: int) -
         if fp != req.fingerprint:
             raise ValueError(f"layer {req.layer} of {ckpt.path} has fingerprint {fp[:12]}, the gateway read "
                              f"{req.fingerprint[:12]}: they do not read the same checkpoint")
-    if spec.d_model != ref.d_model or spec.expert_d_ff(req.expert) != ref.d_ff:
+    if spec.d_model != ref.d_model or (not new and spec.expert_d_ff(req.expert) != ref.d_ff):
         raise ValueError(f"layer {req.layer} expert {req.expert} of {ckpt.path} is ({spec.d_model}, "
                          f"{spec.expert_d_ff(req.expert)}), this worker serves ({ref.d_model}, {ref.d_ff})")
     weights: dict = {}

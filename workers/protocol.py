@@ -20,6 +20,7 @@ Requests and their replies::
     load     {op, id, expert, version, layer?, weights | seed | checkpoint, fingerprint?}
                                                     -> loaded  {id, expert, version, layer?}
     retire   {op, id, expert, version, layer?}      -> retired {id, expert, version, active, layer?}
+    unhost   {op, id, expert, layer?}               -> unhosted {id, expert, layer?}
     weights  {op, id, start?}                       -> weights {id, entries, sources, next}
     update   {op, id, action, ...}  (gateway only)  -> update  {id, status}
     any bad request                                 -> error {id, code, message}
@@ -29,7 +30,10 @@ needs; a client sending to the gateway leaves it out (the gateway routes). A gro
 the weights version as a fourth element ([expert_id, start, count, version]); without it
 the worker uses the expert's active version. ``load`` stages a version beside the active
 one (a worker keeps serving while it loads, then holds both: the double buffer); ``retire``
-drops a version, and retiring the active one makes the other the active one. ``versions``
+drops a version, and retiring the active one makes the other the active one. A ``load`` of
+an expert the worker does not host adds a physical copy of it (room permitting: ``max_experts``
+in info), active at that version; ``unhost`` drops an expert with every version it holds
+(never the worker's last one); both change ``experts`` and ``layers`` in info. ``versions``
 in a result ([[expert, version], ...]) says which version served a pinned expert. A worker
 that starts draining (SIGTERM) sends an unsolicited ``{op: "draining"}`` on every
 connection. ``versions`` in info and pong is [[expert, active, [held, ...]], ...].
@@ -91,7 +95,9 @@ RETIRE = "retire"
 RETIRED = "retired"
 UPDATE = "update"
 WEIGHTS = "weights"
-REQUEST_OPS = (INFO, PING, FORWARD, LOAD, RETIRE, WEIGHTS)
+UNHOST = "unhost"
+UNHOSTED = "unhosted"
+REQUEST_OPS = (INFO, PING, FORWARD, LOAD, RETIRE, WEIGHTS, UNHOST)
 
 # error codes (the ``code`` field of an error reply)
 BAD_REQUEST = "bad_request"  # not a map, no op, bad id, unknown op
@@ -112,6 +118,7 @@ DTYPES = ("float32", "float64", "float16", bf16.BF16_NAME)
 DEFAULT_LAYER = 0  # the layer of a request that names none (the demo mode's one layer)
 MAX_GROUPS = 8192  # bounds the header (the transport caps headers at 64 KiB)
 MAX_VERSIONS = 2  # versions a worker holds per expert: the active one and one being rolled out
+MAX_EXPERT_ID = 1 << 16  # expert ids a load may name for an expert a worker does not host yet
 WEIGHTS_PAGE_BYTES = 32 << 10  # a weights page's entries and sources, roughly (headers cap at 64 KiB)
 MAX_SOURCE_PATH = 4096  # the longest path a weights source may name
 SOURCE_KINDS = ("seed", "weights", "checkpoint")
@@ -319,7 +326,9 @@ def _hosted(layers: Any) -> Mapping[int, Collection[int]]:
     return layers if isinstance(layers, Mapping) else {DEFAULT_LAYER: list(layers)}
 
 
-def _layer_expert(header: dict, layers: Any) -> tuple[int, int]:
+def _layer_expert(header: dict, layers: Any, new: bool = False) -> tuple[int, int]:
+    """(layer, expert) a control request names; ``new``: the expert may be one the worker does
+    not host yet (a load that adds a physical copy), any id below MAX_EXPERT_ID."""
     hosted = _hosted(layers)
     layer = header.get("layer", DEFAULT_LAYER)
     if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
@@ -327,6 +336,8 @@ def _layer_expert(header: dict, layers: Any) -> tuple[int, int]:
     if layer not in hosted:
         raise RequestError(UNKNOWN_LAYER, f"layer {layer} is not served here (layers: {sorted(hosted)})")
     e = _int_field(header, "expert")
+    if new and e < MAX_EXPERT_ID:
+        return layer, e
     if e not in hosted[layer]:
         raise RequestError(UNKNOWN_EXPERT, f"expert {e} of layer {layer} is not hosted here "
                                            f"(hosted: {sorted(hosted[layer])})")
@@ -335,7 +346,7 @@ def _layer_expert(header: dict, layers: Any) -> tuple[int, int]:
 
 def parse_load(header: dict, layers: Any) -> LoadRequest:
     """``layers``: {layer: hosted expert ids} (or the default layer's ids as a list)."""
-    layer, e = _layer_expert(header, layers)
+    layer, e = _layer_expert(header, layers, new=True)
     version = _int_field(header, "version")
     weights, seed, ckpt = header.get("weights"), header.get("seed"), header.get("checkpoint")
     if sum(v is not None for v in (weights, seed, ckpt)) != 1:
@@ -356,6 +367,12 @@ def parse_retire(header: dict, layers: Any) -> tuple[int, int, int]:
     """(expert, version, layer) of a retire request."""
     layer, e = _layer_expert(header, layers)
     return e, _int_field(header, "version"), layer
+
+
+def parse_unhost(header: dict, layers: Any) -> tuple[int, int]:
+    """(expert, layer) of an unhost request."""
+    layer, e = _layer_expert(header, layers)
+    return e, layer
 
 
 # -- weights identity ------------------------------------------------------------

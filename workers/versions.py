@@ -33,7 +33,8 @@ MAX_VERSIONS = P.MAX_VERSIONS
 class Versions:
     def __init__(self, experts: Mapping[tuple, Any], *, max_tokens: int, dtype: np.dtype,
                  update_dir: Optional[str], post: Callable[[Callable[[], None]], None],
-                 reply: Callable[[Any, dict], None]) -> None:
+                 reply: Callable[[Any, dict], None], max_experts: Optional[int] = None,
+                 on_hosting: Callable[[], None] = lambda: None) -> None:
         self.active = dict(experts)  # (layer, expert id) -> the active version
         self.held = {k: {ex.version: ex} for k, ex in self.active.items()}  # (layer, id) -> version -> expert
         for ex in self.active.values():
@@ -44,6 +45,9 @@ class Versions:
         self._post = post
         self._loading: dict = {}  # (layer, expert, version) -> the connection that asked
         self._reply = reply  # (connection, reply header): how a finished load is answered
+        # physical copies this worker may host (loads of experts it does not host add one)
+        self.max_experts = max(len(self.active), int(max_experts or 2 * len(self.active)))
+        self._on_hosting = on_hosting  # the set of hosted experts changed (the daemon's tables)
 
     def table(self) -> list:
         """[[expert, active version, [held versions](, layer)], ...] (protocol.with_layer)"""
@@ -93,8 +97,11 @@ class Versions:
         return path
 
     def start_load(self, conn, req: "P.LoadRequest") -> Optional[dict]:
-        """Begin loading; the reply now if there is nothing to do (already held)."""
+        """Begin loading; the reply now if there is nothing to do (already held). A load of an
+        expert not hosted here adds a physical copy of it, if there is room."""
         key = (req.layer, req.expert)
+        if key not in self.held:
+            return self._start_new(conn, req)
         held = self.held[key]
         if req.version in held:  # idempotent: a retried load finds it done
             return self._loaded(req, held[req.version])
@@ -103,15 +110,55 @@ class Versions:
         if len(held) + sum(1 for L, e, _ in self._loading if (L, e) == key) >= MAX_VERSIONS:
             raise P.RequestError(P.BAD_REQUEST, f"expert {req.expert} already holds versions {sorted(held)} "
                                                 f"(at most {MAX_VERSIONS}): retire one first")
-        path = None
-        if req.weights is not None:
-            path = self.weights_path(req.weights)
-        elif req.checkpoint is not None:
-            path = self.weights_path(req.checkpoint, directory=True)
+        path = self._source_path(req)
         self._loading[(*key, req.version)] = conn
         threading.Thread(target=self._load, args=(req, path), daemon=True,
                          name=f"load-l{req.layer}-e{req.expert}-v{req.version}").start()
         return None
+
+    def _start_new(self, conn, req: "P.LoadRequest") -> None:
+        key = (req.layer, req.expert)
+        if any((L, e) == key for L, e, _ in self._loading):
+            raise P.RequestError(P.BAD_REQUEST, f"expert {req.expert} of layer {req.layer} is already loading")
+        hosting = len(self.active) + len({(L, e) for L, e, _ in self._loading if (L, e) not in self.active})
+        if hosting >= self.max_experts:
+            raise P.RequestError(P.BAD_REQUEST, f"this worker hosts {len(self.active)} experts (and loads "
+                                                f"{hosting - len(self.active)}) of at most {self.max_experts}: "
+                                                f"unhost one first, or start it with a larger --max-experts")
+        path = self._source_path(req)
+        self._loading[(*key, req.version)] = conn
+        threading.Thread(target=self._load, args=(req, path), daemon=True,
+                         name=f"host-l{req.layer}-e{req.expert}-v{req.version}").start()
+        return None
+
+    def _source_path(self, req: "P.LoadRequest") -> Optional[str]:
+        if req.weights is not None:
+            return self.weights_path(req.weights)
+        if req.checkpoint is not None:
+            return self.weights_path(req.checkpoint, directory=True)
+        return None
+
+    def template(self, layer: int) -> Any:
+        """A hosted expert of ``layer`` (else of any layer): what a new copy is built like."""
+        same = [ex for (L, _), ex in sorted(self.active.items()) if L == layer]
+        return same[0] if same else next(iter(self.active.values()))
+
+    def unhost(self, rid, expert: int, layer: int = P.DEFAULT_LAYER) -> dict:
+        """Drop ``expert`` of ``layer`` with every version held (a forward already taken
+        keeps the weights it bound)."""
+        key = (layer, expert)
+        if key not in self.active:
+            raise P.RequestError(P.UNKNOWN_EXPERT, f"expert {expert} of layer {layer} is not hosted here")
+        if len(self.active) == 1:
+            raise P.RequestError(P.BAD_REQUEST, f"expert {expert} is this worker's only one")
+        del self.active[key]
+        del self.held[key]
+        log.info("layer %d expert %d: unhosted (%d hosted)", layer, expert, len(self.active))
+        self._on_hosting()
+        r = {"op": P.UNHOSTED, "id": rid, "expert": expert}
+        if layer != P.DEFAULT_LAYER:
+            r["layer"] = layer
+        return r
 
     @staticmethod
     def _loaded(req: "P.LoadRequest", ex: Any) -> dict:
@@ -124,7 +171,10 @@ class Versions:
     def _load(self, req: "P.LoadRequest", path: Optional[str]) -> None:
         """Loader thread: build the new version off the serve loop, hand it over."""
         try:
-            result: Any = build_version(req, path, self.active[(req.layer, req.expert)], max_tokens=self.max_tokens)
+            key = (req.layer, req.expert)
+            ref = self.active.get(key)
+            result: Any = build_version(req, path, ref if ref is not None else self.template(req.layer),
+                                        max_tokens=self.max_tokens, new=ref is None)
             result.fingerprint  # noqa: B018  (hashed here, off the serve loop)
         except Exception as e:  # reported to the requester; the worker keeps serving
             result = e
@@ -137,6 +187,10 @@ class Versions:
             reply = P.error_reply(req.request_id, P.LOAD_FAILED,
                                   f"expert {req.expert} version {req.version}: {type(result).__name__}: {result}")
         else:
+            if key not in self.active:  # a new physical copy: hosted, active at this version
+                self.active[key] = result
+                self.held[key] = {}
+                self._on_hosting()
             self.held[key][req.version] = result
             log.info("layer %d expert %d: version %d loaded (held %s)", req.layer, req.expert, req.version,
                      sorted(self.held[key]))
