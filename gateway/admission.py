@@ -19,9 +19,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from gateway.control import ControlChannel
+from gateway.expert_placement import ExpertPlacement
 from gateway.rollout import Rollout
 from gateway.served import ServedSet, Step, key_name, next_step, show_source
 from gateway.worker_link import Health, WorkerLink
@@ -59,11 +60,15 @@ class AdmissionStats:
 
 
 class Admission:
-    def __init__(self, workers: WorkerSet, served: ServedSet, control: ControlChannel, rollout: Rollout) -> None:
+    """``placement()``: the expert placement routing now (None: every hosted copy routes)."""
+
+    def __init__(self, workers: WorkerSet, served: ServedSet, control: ControlChannel, rollout: Rollout,
+                 placement: Callable[[], Optional[ExpertPlacement]] = lambda: None) -> None:
         self.workers = workers
         self.served = served
         self.control = control
         self.rollout = rollout
+        self.placement = placement
         self.stats = AdmissionStats()
         self._syncs: dict[int, _Sync] = {}
 
@@ -113,13 +118,30 @@ class Admission:
     def _hosted(self, w: WorkerLink) -> list:
         return [(L, e) for L, ids in sorted(w.layers.items()) for e in sorted(ids)]
 
+    def _keys(self, w: WorkerLink) -> tuple[list, list]:
+        """(the experts ``w`` must hold at the served weights, the copies it hosts that the
+        placement does not route to it and are to be dropped). A worker the placement routes
+        nothing to (new, or drained) keeps what it hosts, brought to the served weights."""
+        hosted = self._hosted(w)
+        p = self.placement()
+        routed = p.on(w.index) if p is not None else []
+        if not routed:
+            return hosted, []
+        return routed, [k for k in hosted if k not in set(routed)]
+
     def _step(self, w: WorkerLink) -> None:
         sync = self._syncs.get(w.index)
         if sync is None or w.conn is None:
             return
         self._unblock(w)
         up = self.rollout.update
-        wanted = self.served.wanted(self._hosted(w), up if up is not None and up.state.active else None)
+        keys, extra = self._keys(w)
+        if extra:  # first, to make room (keeping one while none of its routed copies is hosted yet)
+            drop = extra if any(w.hosts(e, L) for L, e in keys) else extra[1:]
+            if drop:
+                self._unhost(w, sync, drop)
+                return
+        wanted = self.served.wanted(keys, up if up is not None and up.state.active else None)
         if wanted is None:  # an update is settling an expert it hosts: wait for the outcome
             sync.waiting = True
             return
@@ -129,6 +151,8 @@ class Admission:
             step.refuse = f"not at the served weights after {MAX_STEPS} steps"
         if step.refuse is not None:
             self._refuse(w, step.refuse)
+        elif step.done and extra:
+            self._unhost(w, sync, extra)
         elif step.done:
             self._admit(w, sync)
         else:
@@ -151,6 +175,15 @@ class Admission:
                               on_reply=lambda link, h: self._done_one(link),
                               on_fail=lambda why, k=key, v=version: self._failed(
                                   w, f"cannot retire version {v} of {key_name(k)}: {why}"))
+
+    def _unhost(self, w: WorkerLink, sync: _Sync, keys: list) -> None:
+        """Drop the copies the placement does not route to ``w`` (restarted with its start-up
+        experts after copies moved away): their slots are the placement's."""
+        sync.steps += 1
+        sync.pending = len(keys)
+        for L, e in keys:
+            self.control.send(w, P.UNHOST, e, L, {}, on_reply=lambda link, h: self._done_one(link),
+                              on_fail=lambda why, k=(L, e): self._failed(w, f"cannot unhost {key_name(k)}: {why}"))
 
     def _loaded(self, w: WorkerLink, key: tuple, want) -> None:
         fp = w.weights.get(key, {}).get(want.version, ("",))[0]

@@ -203,7 +203,7 @@ class GatewayClient:
                 self._done[rid] = (h, y)
             elif op == P.ERROR:
                 self._done[rid] = P.RemoteError(str(h.get("code")), str(h.get("message")), self.url)
-            elif op in (P.PONG, P.UPDATE):
+            elif op in (P.PONG, P.UPDATE, P.PLACEMENT, P.WORKERS):
                 self._done[rid] = (h, None)
             self._waiting.discard(rid)
 
@@ -267,6 +267,21 @@ class GatewayClient:
         with self._lock:
             rid = next(self._ids)
             self.conn.send(P.request(P.UPDATE, rid, action=action, **fields), timeout=timeout)
+            self._waiting.add(rid)
+        return self.result(rid, timeout=timeout)["status"]
+
+    def placement(self, action: str, *, timeout: Optional[float] = None, **fields: Any) -> dict:
+        """The expert placement: ``show`` (JSON) or ``load`` (``placement=`` a saved one)."""
+        return self._control(P.PLACEMENT, action, timeout, fields)
+
+    def workers(self, action: str, *, timeout: Optional[float] = None, **fields: Any) -> dict:
+        """Workers: ``list``, ``add`` (``urls=``), ``drain``/``remove`` (``worker=``), ``scale`` (``n=``)."""
+        return self._control(P.WORKERS, action, timeout, fields)
+
+    def _control(self, op: str, action: str, timeout: Optional[float], fields: dict) -> dict:
+        with self._lock:
+            rid = next(self._ids)
+            self.conn.send(P.request(op, rid, action=action, **fields), timeout=timeout)
             self._waiting.add(rid)
         return self.result(rid, timeout=timeout)["status"]
 

@@ -1,7 +1,7 @@
-"""Control requests to workers (load, retire), each acknowledged or given up on.
+"""Control requests to workers (load, retire, unhost), each acknowledged or given up on.
 
-One channel serves both owners of a worker's weights: the hot update (gateway/rollout.py)
-and admission (gateway/admission.py). A request's owner passes what to do with the
+One channel serves every owner of a worker's weights: the hot update (gateway/rollout.py),
+admission (gateway/admission.py) and moves of copies (gateway/rebalancer.py). A request's owner passes what to do with the
 worker's answer and with a failure (an error reply, the worker lost, no answer within
 ``ack_timeout``); every request ends in exactly one of them. The worker's acknowledged
 state is kept on its link (``WorkerLink.weights``), the truth admission plans from.
@@ -74,6 +74,8 @@ class ControlChannel:
                 w.loaded(key, int(h["version"]), fp if isinstance(fp, str) else "", h.get("source"))
             elif p.op == P.RETIRE and h.get("op") == P.RETIRED:
                 w.retired(key, int(h["version"]), int(h["active"]))
+            elif p.op == P.UNHOST and h.get("op") == P.UNHOSTED:
+                w.unhosted(key)
             else:
                 raise ValueError(f"unexpected answer {str(h)[:120]}")
         except (KeyError, TypeError, ValueError) as e:

@@ -12,12 +12,15 @@ which versions made it) and its chunk bounds (gateway/chunking.py).
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from gateway.chunking import ChunkMode, ChunkSetting, split_part
 from gateway.dispatch import DispatchPlan, split_over_replicas
+from gateway.expert_placement import ExpertPlacement
+from gateway.load_window import LoadWindow
 from gateway.replicas import BALANCING, choose_least_loaded, choose_replicas
 from gateway.requests import NoHealthyWorker, Request, Round, n_ids
 from gateway.served import ServedSet
@@ -36,7 +39,8 @@ class Planner:
                  split_replicas: bool = True, min_split: int = 16, balancing: str = "load-aware",
                  decide_pins: Optional[Callable[[int], dict]] = None,
                  pinned_router: Optional[Callable[[int, dict], Any]] = None,
-                 served: Optional[ServedSet] = None, chunk_mode: Optional[ChunkMode] = None) -> None:
+                 served: Optional[ServedSet] = None, chunk_mode: Optional[ChunkMode] = None,
+                 load: Optional[LoadWindow] = None) -> None:
         if balancing not in BALANCING:
             raise ValueError(f"balancing must be one of {BALANCING}, got {balancing!r}")
         self.workers = workers
@@ -51,6 +55,11 @@ class Planner:
         self.pinned_router = pinned_router or (lambda layer, pins: None)
         self.served = served
         self.chunk_mode = chunk_mode or ChunkMode()
+        # which workers route each expert (gateway/expert_placement.py); None: every worker
+        # that hosts it. Replaced as a whole when it changes: a round keeps the one it was
+        # planned under
+        self.placement: Optional[ExpertPlacement] = None
+        self.load = load  # rows per expert over a window (EPLB reads it)
 
     def route(self, req: Request) -> Optional[Exception]:
         """Route ``req`` (its pins first: a hot update that brings its own router routes the
@@ -74,7 +83,12 @@ class Planner:
         return None
 
     def hosts(self, expert: int, avoid: frozenset = frozenset(), layer: int = P.DEFAULT_LAYER) -> list[int]:
-        return [w.index for w in self.workers if w.usable and w.hosts(expert, layer) and w.index not in avoid]
+        """The healthy workers outside ``avoid`` that route ``expert`` of ``layer`` now."""
+        p = self.placement
+        if p is None:
+            return [w.index for w in self.workers if w.usable and w.hosts(expert, layer) and w.index not in avoid]
+        workers = self.workers
+        return [w for w in p.of(layer, expert) if w not in avoid and workers[w].usable]
 
     def unserved(self, req: Request, avoid: frozenset = frozenset()) -> Optional[Exception]:
         """Why ``req`` cannot go now (an expert it needs is blocked, or has no healthy host
@@ -102,6 +116,9 @@ class Planner:
         idx = np.concatenate([r.routing.topk_idx for r in reqs]) if len(reqs) > 1 else reqs[0].routing.topk_idx
         n_experts = self.n_ids[rnd.layer]
         counts = np.bincount(idx[idx >= 0].ravel(), minlength=n_experts)
+        rnd.placement_version = self.placement.version if self.placement is not None else 0
+        if self.load is not None and rnd.requests[0].attempts == 1:
+            self.load.record(rnd.layer, counts, time.monotonic())
         load = np.array([w.outstanding_rows for w in self.workers], dtype=np.float64)
         hosts = {e: self.hosts(e, avoid, rnd.layer) for e in range(n_experts) if counts[e]}
         if self.balancing == "least-loaded":

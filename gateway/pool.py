@@ -19,6 +19,10 @@ import numpy as np
 from gateway.admission import Admission
 from gateway.chunking import ChunkSetting, parse_chunk_rows
 from gateway.control import ControlChannel
+from gateway.expert_placement import ExpertPlacement, PlacementError
+from gateway.live_placement import LivePlacement
+from gateway.load_window import LoadWindow
+from gateway.rebalancer import MAX_MOVES, Rebalancer
 from gateway.rollout import ACK_TIMEOUT, Rollout
 from gateway.requests import BatchStats, Request, WorkerError, n_ids, slots_per_token
 from gateway.rounds import RoundBook
@@ -60,7 +64,9 @@ class WorkerPool:
                  secret: Any = secrets.FIND, loop: Optional[ServeLoop] = None,
                  balancing: str = "load-aware", ack_timeout: float = ACK_TIMEOUT,
                  fingerprints: Optional[Mapping[int, Optional[str]]] = None,
-                 chunk_rows: ChunkSetting = "auto", reply_spin: bool = True) -> None:
+                 chunk_rows: ChunkSetting = "auto", reply_spin: bool = True, max_moves: int = MAX_MOVES,
+                 load_window: float = 60.0, eplb: bool = False, redundant_experts: int = 0,
+                 eplb_interval: float = 60.0) -> None:
         secret = secrets.for_client(secret)
         self.routers = dict(router) if isinstance(router, Mapping) else {P.DEFAULT_LAYER: router}
         if not self.routers:
@@ -88,12 +94,21 @@ class WorkerPool:
         self.control = ControlChannel(self.workers, next_id=next_id, ack_timeout=ack_timeout)
         self.rollout = Rollout(self.workers, self.n_experts, control=self.control, served=self.served,
                                layers=self.routers, fingerprints=self.fingerprints)
-        self.admission = Admission(self.workers, self.served, self.control, self.rollout)
-        self.rollout.on_settled = self.admission.recheck
         self.rounds = RoundBook(self.workers, self.routers, dtype=self.dtype, max_batch_tokens=self.max_batch_tokens,
                                 timeout=timeout, split_replicas=split_replicas, min_split=min_split,
                                 decide_pins=self.rollout.decide, next_id=next_id, balancing=balancing,
                                 pinned_router=self.rollout.router_for, chunk_rows=chunk_rows, served=self.served)
+        planner = self.rounds.planner
+        planner.load = LoadWindow(layers, window=load_window)
+        self.admission = Admission(self.workers, self.served, self.control, self.rollout,
+                                   placement=lambda: planner.placement)
+        self.rebalancer = Rebalancer(self.workers, self.served, self.control, self.rollout, planner,
+                                     self.rounds.in_flight_versions, max_moves=max_moves)
+        self.live = LivePlacement(self.workers, self.rebalancer, planner, layers, eplb_on=eplb,
+                                  redundant=redundant_experts, interval=eplb_interval)
+        self.rollout.on_settled = self.admission.recheck
+        self.rollout.blocked = lambda: ("a move of expert copies is loading; try again when it is done"
+                                        if self.rebalancer.loading else None)
         self.workers.on_message = self._on_message
         self.workers.on_up.append(self._up)
         self.workers.on_down.append(self._down)
@@ -102,6 +117,8 @@ class WorkerPool:
         self._started = False  # the first connections are admitted together (Admission.start)
         try:
             self.workers.connect_all(connect_timeout)
+            # the placement at start: every copy the workers host routes
+            planner.placement = ExpertPlacement.from_hosting({w.index: w.layers for w in self.workers}, layers)
             self.admission.start()
             self._await_admission(ack_timeout)
         except BaseException:
@@ -141,6 +158,7 @@ class WorkerPool:
         self.loop.unwatch(w.conn)
         self.control.on_worker_down(w)
         self.admission.on_worker_down(w)
+        self.rebalancer.on_worker_down(w)
         self.rollout.on_worker_down(w)
         self.rounds.on_worker_down(w, why)
 
@@ -171,8 +189,10 @@ class WorkerPool:
         r = self.rollout.tick(now)
         c = self.control.tick(now)
         a = self.admission.tick(now)
+        m = self.rebalancer.tick(now)
+        lp = self.live.tick(now)
         d = self.rounds.next_deadline()
-        due = [x for x in (t, r, c, a, d) if x is not None]
+        due = [x for x in (t, r, c, a, m, lp, d) if x is not None]
         if backlog:  # shm returns credits without a wake-up: look again soon
             due.append(now + BACKLOG_RETRY)
         if self.rounds.has_stalling(now):  # a stalled round stops holding the batcher: look again soon
@@ -249,6 +269,33 @@ class WorkerPool:
                                       checkpoint=f("checkpoint"), layer=f("layer"), steps=f("steps"),
                                       auto_interval=f("auto_interval"))
         return self.rollout.command(str(action), f("fraction"))
+
+    def placement_op(self, action: Any, fields: Mapping[str, Any]) -> dict:
+        """``placement show`` (the placement, per layer its version, balancedness and copies) or
+        ``placement load`` (move toward a saved one). PlacementError when refused."""
+        if action == "show":
+            return self.live.show()
+        if action == "load":
+            return self.live.load(fields.get("placement") or {})
+        raise PlacementError(f"unknown placement action {action!r}; use show or load")
+
+    def workers_op(self, action: Any, fields: Mapping[str, Any]) -> dict:
+        """``workers list|add|drain|remove|scale``. PlacementError when refused."""
+        if action == "list":
+            return {"workers": self.stats()}
+        if action == "add":
+            urls = fields.get("urls")
+            if not (isinstance(urls, list) and urls and all(isinstance(u, str) and "://" in u for u in urls)):
+                raise PlacementError(f"add needs worker URLs (scheme://...), got {urls!r}")
+            return self.live.add(urls)
+        if action in ("drain", "remove"):
+            return self.live.drain(self.live._worker(fields.get("worker")).index, remove=action == "remove")
+        if action == "scale":
+            n = fields.get("n")
+            if not isinstance(n, int) or isinstance(n, bool):
+                raise PlacementError(f"scale needs a number of workers, got {n!r}")
+            return self.live.scale(n)
+        raise PlacementError(f"unknown workers action {action!r}; use list, add, drain, remove or scale")
 
     def status(self) -> dict:
         """The pool's part of the gateway's pong: workers, update, served set, admission,

@@ -133,6 +133,7 @@ class Round:
                  sums: Optional[SumBuffers] = None):
         self.id = rid
         self.sums = sums  # where its requests' float32 sums are taken from
+        self.placement_version = 0  # the expert placement it was planned under
         self.layer = layer
         self.requests = requests
         self.deadline = deadline

@@ -56,6 +56,8 @@ class Rollout:
         self._applied: Optional[Update] = None  # the last update whose outcome the served set took
         #: called with the keys whose served weights an operator settled (their hosts re-admit)
         self.on_settled: Callable[[list], None] = lambda keys: None
+        #: why an update may not start now (a move of expert copies loading), or None
+        self.blocked: Callable[[], Optional[str]] = lambda: None
 
     # -- what requests get -------------------------------------------------------------------
     def decide(self, layer: int = P.DEFAULT_LAYER) -> dict:
@@ -88,6 +90,8 @@ class Rollout:
         changes nothing."""
         if self.update is not None and self.update.state.active:
             raise UpdateError(f"an update is in progress ({self.update.state.value}); finish or roll it back")
+        if self.blocked() is not None:
+            raise UpdateError(self.blocked())
         layer = P.DEFAULT_LAYER if layer is None else layer
         if type(layer) is not int or layer not in self.routers:
             raise UpdateError(f"no layer {layer!r} here (layers: {sorted(self.routers)})")

@@ -475,6 +475,10 @@ class RoundBook:
         """When to busy-poll for a worker's last outstanding reply (ServeLoop.add_spin)."""
         return self.clock.window(now, lambda w: self.workers[w].chunk_costs)
 
+    def in_flight_versions(self) -> list:
+        """The expert placement version of every round not settled yet."""
+        return [r.placement_version for r in self.rounds.values()]
+
     def next_deadline(self) -> Optional[float]:
         return min((r.deadline for r in self.rounds.values() if r.outstanding), default=None)
 

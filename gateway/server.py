@@ -26,6 +26,7 @@ import transport
 from gateway.batcher import Batcher
 from gateway.pool import WorkerPool
 from gateway.requests import BatchStats, Request
+from gateway.expert_placement import PlacementError
 from gateway.update import UpdateError
 from transport.service.connbook import ConnectionBook
 from transport.service.loop import ServeLoop, buffer_view
@@ -201,18 +202,18 @@ class GatewayServer:
     def _handle(self, conn, msg) -> None:
         rid = P.request_id_of(msg.header)
         try:
-            op = P.parse_op(msg.header, (P.FORWARD, P.PING, P.UPDATE))
+            op = P.parse_op(msg.header, (P.FORWARD, P.PING, P.UPDATE, P.PLACEMENT, P.WORKERS))
             if op == P.PING:
                 msg.release()
                 self.loop.send(conn, self.pong(rid))
                 return
-            if op == P.UPDATE:
+            if op in (P.UPDATE, P.PLACEMENT, P.WORKERS):
                 header = msg.header
                 msg.release()
                 if not conn.authenticated:
-                    raise P.RequestError(P.UNAUTHORIZED, "update is a control operation: it needs a connection "
+                    raise P.RequestError(P.UNAUTHORIZED, f"{op} is a control operation: it needs a connection "
                                                          "that proved the shared secret (--secret-file)")
-                self.loop.send(conn, {"op": P.UPDATE, "id": rid, "status": self.update(header)})
+                self.loop.send(conn, {"op": op, "id": rid, "status": self.control(op, header)})
                 return
             self.stats.requests += 1
             pool = self.pool
@@ -244,6 +245,16 @@ class GatewayServer:
             if experts is None:  # refused (its error is answered with the finished ones)
                 return
         self.batcher.add(req, batch.rows, time.monotonic(), experts)
+
+    def control(self, op: str, h: dict) -> dict:
+        """An authenticated control request: a hot update, or the placement or workers."""
+        if op == P.UPDATE:
+            return self.update(h)
+        try:
+            fn = self.pool.placement_op if op == P.PLACEMENT else self.pool.workers_op
+            return fn(h.get("action"), h)
+        except (PlacementError, TypeError, ValueError) as e:
+            raise P.RequestError(P.BAD_REQUEST, f"{op} {h.get('action')}: {e}") from None
 
     def update(self, h: dict) -> dict:
         """A hot-update command from a client (``moe-gateway update ...``): start, advance,

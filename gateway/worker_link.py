@@ -26,6 +26,7 @@ class Health(str, enum.Enum):
     DRAINING = "draining"
     LOST = "lost"
     REFUSED = "refused"
+    REMOVED = "removed"  # taken out of the gateway (moe-gateway workers remove): never reconnected
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,8 @@ class WorkerLink:
     held: dict = field(default_factory=dict)  # (layer, expert) -> versions the worker holds
     weights: dict = field(default_factory=dict)  # (layer, expert) -> {version: (fingerprint, source)}
     admitted_at: Optional[float] = None  # when it was last made healthy after connecting
+    max_experts: int = 0  # physical copies it may host (its info's max_experts)
+    parked: bool = False  # drained by the gateway: no copy is placed on it
     kernel: dict = field(default_factory=dict)  # its kernel as it describes it (kind, dtype, threads)
     max_tokens: int = 0
     d_ff: Optional[int] = None  # as its info said (reported, not needed by the gateway)
@@ -140,9 +143,24 @@ class WorkerLink:
         return self.conn is not None and self.state in (Health.HEALTHY, Health.UNHEALTHY, Health.DRAINING)
 
     def loaded(self, key: tuple, version: int, fingerprint: str, source: Any) -> None:
-        """It acknowledged loading ``version`` of ``key``."""
+        """It acknowledged loading ``version`` of ``key`` (a key it did not host: a new copy,
+        active at that version)."""
         self.weights.setdefault(key, {})[version] = (fingerprint, source)
         self.held.setdefault(key, set()).add(version)
+        if not self.hosts(key[1], key[0]):
+            self.layers = {**self.layers, key[0]: self.layers.get(key[0], frozenset()) | {key[1]}}
+            self.experts = sorted({e for ids in self.layers.values() for e in ids})
+            self.versions[key] = version
+
+    def unhosted(self, key: tuple) -> None:
+        """It acknowledged dropping its copy of ``key``."""
+        self.weights.pop(key, None)
+        self.held.pop(key, None)
+        self.versions.pop(key, None)
+        L, e = key
+        if e in self.layers.get(L, ()):
+            self.layers = {**self.layers, L: self.layers[L] - {e}}
+            self.experts = sorted({x for ids in self.layers.values() for x in ids})
 
     def retired(self, key: tuple, version: int, active: int) -> None:
         """It acknowledged retiring ``version`` of ``key``; ``active`` is active now."""

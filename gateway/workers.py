@@ -7,7 +7,7 @@ Each worker has a :class:`WorkerLink`: its URL, connection, what it hosts (from 
        │  ▲                                                │
        │  └────────────── reconnected, same shape ◀── lost ◀┘ connection gone
        └──draining notice──▶ draining (no new work; lost when it goes)
-    lost ──came back with another shape, expert set or checkpoint──▶ refused (retried slowly, reported)
+    lost ──came back with another shape or checkpoint──▶ refused (retried slowly, reported)
     connected ──▶ admitting ──holds the served weights──▶ healthy
                       └──cannot load them──▶ refused
 
@@ -98,10 +98,6 @@ def _fetch_weights(conn, url: str, deadline: float, limit: int) -> dict:
     return out
 
 
-def _show(layers: dict) -> str:
-    return "; ".join(f"layer {L}: experts {sorted(ids)}" for L, ids in sorted(layers.items()))
-
-
 class WorkerSet:
     """Every worker's link: connect, watch health, reconnect.
 
@@ -181,11 +177,9 @@ class WorkerSet:
                                  f"{[w.url for w in self.links]}")
 
     def _attach(self, w: WorkerLink, conn, info: dict, first: bool = False) -> None:
+        # what it hosts may differ from before (restarted with its start-up experts after
+        # copies moved): admission brings it to the placement
         layers = {L: frozenset(ids) for L, (ids, _) in worker_layers(info).items()}
-        if not first and w.layers and layers != w.layers:
-            conn.close()
-            self._refuse(w, f"came back hosting {_show(layers)}, not {_show(w.layers)}")
-            return
         w.conn = conn
         w.layers = layers
         w.experts = sorted({e for ids in layers.values() for e in ids})
@@ -195,6 +189,8 @@ class WorkerSet:
         w.d_ff = info.get("d_ff")
         w.kernel = dict(info.get("kernel") or {})
         w.pid = info.get("pid")
+        hosted = sum(len(ids) for ids in layers.values())
+        w.max_experts = max(hosted, int(info.get("max_experts") or hosted))
         w.state, w.why = Health.ADMITTING, "being brought to the served weights"
         w.admitted_at = None
         w.backoff = 0.0
@@ -237,6 +233,24 @@ class WorkerSet:
             except TransportError:
                 pass
         self._refuse(w, why)
+
+    def add(self, url: str) -> WorkerLink:
+        """A new worker at ``url``: connected in the background (then admitted, like a
+        reconnection); its index is the next one."""
+        w = WorkerLink(len(self.links), url)
+        w.next_attempt = 0.0
+        self.links.append(w)
+        log.info("worker %d added at %s", w.index, url)
+        return w
+
+    def remove(self, index: int, why: str = "removed") -> None:
+        """Take worker ``index`` out for good: its connection is closed, never reconnected
+        (its index stays, so dispatch plans keep their columns)."""
+        w = self.links[index]
+        if w.conn is not None:
+            self.lost(w, why)
+        w.state, w.why = Health.REMOVED, why
+        log.info("worker %d (%s) removed", index, w.url)
 
     def set_url(self, index: int, url: str) -> None:
         """A supervisor moved worker ``index`` (respawned elsewhere): reconnect there now."""
@@ -393,6 +407,8 @@ class WorkerSet:
                         self.send(w, P.request(P.PING, -1))
                     else:
                         nxt = min(nxt, now + 0.05)
+            elif w.state == Health.REMOVED:
+                continue
             elif not w.connecting and now >= w.next_attempt and not self._closed:
                 self._reconnect(w)
             elif not w.connecting:
@@ -430,7 +446,7 @@ class WorkerSet:
 
     def _reconnected(self, w: WorkerLink, url: str, result: Any) -> None:
         w.connecting = False
-        if self._closed or url != w.url:  # closed meanwhile, or moved: this attempt is stale
+        if self._closed or url != w.url or w.state == Health.REMOVED:  # stale: closed, moved or removed
             if not isinstance(result, Exception):
                 result[0].close()
             return

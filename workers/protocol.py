@@ -23,6 +23,8 @@ Requests and their replies::
     unhost   {op, id, expert, layer?}               -> unhosted {id, expert, layer?}
     weights  {op, id, start?}                       -> weights {id, entries, sources, next}
     update   {op, id, action, ...}  (gateway only)  -> update  {id, status}
+    placement {op, id, action, ...} (gateway only)  -> placement {id, status}
+    workers  {op, id, action, ...}  (gateway only)  -> workers {id, status}
     any bad request                                 -> error {id, code, message}
 
 ``groups`` ([[expert_id, start, count], ...], tiling the rows in order) is what a worker
@@ -97,6 +99,8 @@ UPDATE = "update"
 WEIGHTS = "weights"
 UNHOST = "unhost"
 UNHOSTED = "unhosted"
+PLACEMENT = "placement"  # gateway only: show or load the expert placement
+WORKERS = "workers"  # gateway only: list, add, drain, remove, scale workers
 REQUEST_OPS = (INFO, PING, FORWARD, LOAD, RETIRE, WEIGHTS, UNHOST)
 
 # error codes (the ``code`` field of an error reply)

@@ -42,6 +42,7 @@ class FakeWorker:
     def __init__(self, experts: Sequence[int], *, d_model: int, url: str = "tcp://127.0.0.1:0",
                  dtype=np.float32, max_tokens: int = 4096, secret: Optional[bytes] = None) -> None:
         self.experts = sorted(int(e) for e in experts)
+        self.max_experts = 2 * len(self.experts)
         self.d_model = d_model
         self.dtype = np.dtype(dtype)
         self.max_tokens = max_tokens
@@ -113,7 +114,8 @@ class FakeWorker:
         if op == P.INFO:
             self.loop.send(conn, {"op": P.INFO, "id": rid, "experts": self.experts, "versions": self._versions(),
                                   "d_model": self.d_model, "d_ff": 1, "dtype": self.dtype.name,
-                                  "max_tokens": self.max_tokens, "pid": 0, "url": self.url})
+                                  "max_tokens": self.max_tokens, "pid": 0, "url": self.url,
+                                  "max_experts": self.max_experts})
         elif op == P.PING:
             self.loop.send(conn, {"op": P.PONG, "id": rid, "experts": self.experts, "versions": self._versions(),
                                   "in_flight": 0, "draining": False, "counters": {}, "cpu_s": 0.0, "pid": 0})
@@ -123,9 +125,23 @@ class FakeWorker:
             self.loop.send(conn, P.weights_page(entries, h.get("start", 0), rid))
         elif op == P.LOAD:
             e, v = h["expert"], h["version"]
+            if e not in self.held:  # a new physical copy, active at this version
+                if len(self.experts) >= self.max_experts:
+                    self.loop.send(conn, P.error_reply(rid, P.BAD_REQUEST, f"at most {self.max_experts} experts"))
+                    return
+                self.experts = sorted(self.experts + [e])
+                self.held[e], self.active[e] = set(), v
             self.held[e].add(v)
             self.loop.send(conn, {"op": P.LOADED, "id": rid, "expert": e, "version": v,
                                   "fingerprint": fingerprint(e, v), "source": {"seed": v}})
+        elif op == P.UNHOST:
+            e = h["expert"]
+            if e not in self.held or len(self.experts) == 1:
+                self.loop.send(conn, P.error_reply(rid, P.BAD_REQUEST, f"cannot unhost expert {e}"))
+                return
+            self.experts.remove(e)
+            del self.held[e], self.active[e]
+            self.loop.send(conn, {"op": P.UNHOSTED, "id": rid, "expert": e})
         elif op == P.RETIRE:
             e, v = h["expert"], h["version"]
             self.held[e].discard(v)
