@@ -86,7 +86,7 @@ class LivePlacement:
             layers[str(L)] = {"version": p.version, "balancedness": self.balancedness(L, now),
                               "copies": {str(e): list(ws) for e, ws in enumerate(p.copies[L])},
                               "load": load.tolist(), "redundant": p.redundant()}
-        share = self._shares(now)
+        share = self.shares(now)
         return {"version": p.version, "layers": layers, "redundant": p.redundant(), "physical": p.physical(),
                 "workers": [{"index": w.index, "url": w.url, "state": w.state.value, "parked": w.parked,
                              "slots": w.max_experts, "copies": len(p.on(w.index)), "share": share[w.index]}
@@ -96,9 +96,10 @@ class LivePlacement:
                          "runs": [list(r) for r in self.runs[-16:]]},
                 "rebalancer": self.rebalancer.status()}
 
-    def _shares(self, now: float) -> list:
+    def shares(self, now: Optional[float] = None) -> list:
         """Each worker's share of the window's load under the current placement."""
         p = self.planner.placement
+        now = self.clock() if now is None else now
         n = len(self.workers)
         tot = np.zeros(n)
         for L in p.copies:

@@ -121,7 +121,44 @@ class GatewayMetrics:
         sync_s = CounterMetricFamily("moe_gateway_worker_sync_seconds", "Seconds workers spent being brought to "
                                      "the served weights before admission (count: the synced outcome)",
                                      value=adm.seconds_total)
-        return [gen, ver, blocked, adopted, adm_c, sync_s]
+        return [gen, ver, blocked, adopted, adm_c, sync_s] + GatewayMetrics._placement(pool)
+
+    @staticmethod
+    def _placement(pool) -> list:
+        """The expert placement (gateway/expert_placement.py) and its moves (vLLM's names where
+        they exist: balancedness = mean / max worker load over the window)."""
+        live, reb = pool.live, pool.rebalancer
+        p = pool.rounds.planner.placement
+        version = GaugeMetricFamily("moe_gateway_placement_version", "Version of the expert placement routing now",
+                                    value=p.version if p is not None else 0)
+        bal = GaugeMetricFamily("moe_gateway_placement_balancedness", "Mean worker load / max worker load over the "
+                                "load window, per layer (1 is perfect; NaN before any load)", labels=["layer"])
+        copies = GaugeMetricFamily("moe_gateway_placement_copies", "Workers holding a routed copy of each logical "
+                                   "expert", labels=["expert", "layer"])
+        red = GaugeMetricFamily("moe_gateway_placement_redundant_experts", "Routed copies beyond one per logical "
+                                "expert", value=p.redundant() if p is not None else 0)
+        share = GaugeMetricFamily("moe_gateway_worker_load_share", "Each worker's share of the window's load under "
+                                  "the current placement", labels=["worker"])
+        if p is not None:
+            for L in sorted(p.copies):
+                b = live.balancedness(L)
+                bal.add_metric([str(L)], float("nan") if b is None else b)
+                for e, ws in enumerate(p.copies[L]):
+                    copies.add_metric([str(e), str(L)], len(ws))
+            for i, sh in enumerate(live.shares()):
+                share.add_metric([str(i)], sh)
+        s = reb.stats
+        moves = CounterMetricFamily("moe_gateway_placement_moves", "Moves of expert copies by outcome",
+                                    labels=["outcome"])
+        moves.add_metric(["done"], s.done)
+        moves.add_metric(["abandoned"], s.abandoned)
+        cps = CounterMetricFamily("moe_gateway_placement_copies_moved", "Copies added to and removed from workers "
+                                  "by moves", labels=["change"])
+        cps.add_metric(["added"], s.copies_added)
+        cps.add_metric(["removed"], s.copies_removed)
+        loaded = CounterMetricFamily("moe_gateway_placement_loaded_bytes", "Bytes of expert weights workers loaded "
+                                     "for moves", value=s.bytes_loaded)
+        return [version, bal, copies, red, share, moves, cps, loaded]
 
     def _collect(self) -> list:
         srv = self.server

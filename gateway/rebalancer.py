@@ -66,6 +66,7 @@ class MoveStats:
     copies_added: int = 0
     copies_removed: int = 0
     loads: int = 0  # copies loaded on a worker (an add to a worker already holding it loads nothing)
+    bytes_loaded: int = 0  # their weights' bytes, as the workers said
 
 
 class Rebalancer:
@@ -191,12 +192,12 @@ class Rebalancer:
             mv.outstanding.add(op)
             fields = {"version": weights.version, **(weights.source or {})}
             self.control.send(link, P.LOAD, e, L, fields,
-                              on_reply=lambda lk, h, op=op, want=weights: self._loaded(lk, op, want),
+                              on_reply=lambda lk, h, op=op, want=weights: self._loaded(lk, op, want, h),
                               on_fail=lambda why, op=op: self._abandon(f"{key_name(op[1:3])} on worker {op[3]}: "
                                                                         f"{why}"))
         self._maybe_switch()
 
-    def _loaded(self, w: WorkerLink, op: tuple, want) -> None:
+    def _loaded(self, w: WorkerLink, op: tuple, want, h: dict) -> None:
         mv = self.move
         if mv is None or op not in mv.outstanding:
             return
@@ -204,6 +205,9 @@ class Rebalancer:
         _, L, e, wi = op
         mv.loaded.append((L, e, wi))
         self.stats.loads += 1
+        nbytes = h.get("nbytes")
+        if isinstance(nbytes, int) and not isinstance(nbytes, bool) and 0 <= nbytes < 1 << 40:
+            self.stats.bytes_loaded += nbytes
         fp = w.weights.get((L, e), {}).get(want.version, ("",))[0]
         if want.fingerprint is not None and fp != want.fingerprint:
             self._abandon(f"worker {wi} loaded {key_name((L, e))} with fingerprint {fp[:12]}, the gateway serves "

@@ -98,6 +98,14 @@ def test_a_copy_moves_under_load_without_a_failed_or_wrong_answer():
         assert doc["version"] == 2 and doc["layers"]["0"]["copies"] == target["layers"]["0"]["copies"]
         assert s.workers[0].experts == [0, 3] and s.workers[1].experts == [1, 2, 3]
         assert s.pool.rebalancer.stats.done == 1 and s.pool.rebalancer.stats.loads == 2
+        from prometheus_client import generate_latest
+
+        from gateway.metrics import GatewayMetrics
+        text = generate_latest(GatewayMetrics(s.server).registry).decode()
+        assert "moe_gateway_placement_version 2.0" in text
+        assert 'moe_gateway_placement_copies{expert="3",layer="0"} 2.0' in text
+        assert 'moe_gateway_placement_moves_total{outcome="done"} 1.0' in text
+        assert 'moe_gateway_placement_balancedness{layer="0"}' in text and "moe_gateway_worker_load_share" in text
     finally:
         s.close()
 

@@ -180,7 +180,7 @@ def test_hot_update_double_buffer_pin_and_retire(worker, tmp_path):
         fp1 = SwiGLUExpert.from_seed(5, D, F, seed=SEED + 100).fingerprint
         assert fp0 != fp1
         assert h == {"op": P.LOADED, "id": 10, "expert": 5, "version": 1, "fingerprint": fp1,
-                     "source": {"seed": SEED + 100}}
+                     "source": {"seed": SEED + 100}, "nbytes": 3 * D * F * 4}
         assert _load(conn, 11, 5, 1, seed=SEED + 100)["fingerprint"] == fp1  # idempotent
         page, nxt = P.parse_weights_page(_op(conn, P.request(P.WEIGHTS, 29)), 100)
         assert nxt is None and (0, 5, 0, fp0, {"seed": SEED}) in page and (0, 5, 1, fp1, {"seed": SEED + 100}) in page

@@ -205,6 +205,11 @@ class NumpySwiGLU:
                 np.copyto(out, y, casting="same_kind")
         return out
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes its weights hold."""
+        return int(self._wgu.nbytes + self._wd.nbytes)
+
     def describe(self) -> dict[str, Any]:
         return {"kernel": self.kind, "dtype": self.dtype.name, "threads": self.threads, "d_model": self.d_model,
                 "d_ff": self.d_ff, "max_tokens": self.max_tokens}
@@ -320,6 +325,11 @@ class TorchSwiGLU:
             torch.mm(g, self._wd.t(), out=y)
             ot.copy_(y)  # the one conversion out, straight into the reply slot
         return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its weights hold."""
+        return int(self._wgu.element_size() * self._wgu.nelement() + self._wd.element_size() * self._wd.nelement())
 
     def describe(self) -> dict[str, Any]:
         return {"kernel": self.kind, "dtype": self.dtype_name, "threads": self.threads, "d_model": self.d_model,

@@ -30,6 +30,15 @@ log = logging.getLogger("moe.worker")
 MAX_VERSIONS = P.MAX_VERSIONS
 
 
+def weights_nbytes(ex: Any) -> int:
+    """Bytes of an expert's weights (a demo SwiGLUExpert's or a kernel's)."""
+    n = getattr(ex, "nbytes", None)
+    if isinstance(n, int):
+        return n
+    k = getattr(ex, "kernel", None)
+    return int(getattr(k, "nbytes", 0) or 0) if k is not None else 0
+
+
 class Versions:
     def __init__(self, experts: Mapping[tuple, Any], *, max_tokens: int, dtype: np.dtype,
                  update_dir: Optional[str], post: Callable[[Callable[[], None]], None],
@@ -163,7 +172,7 @@ class Versions:
     @staticmethod
     def _loaded(req: "P.LoadRequest", ex: Any) -> dict:
         r = {"op": P.LOADED, "id": req.request_id, "expert": req.expert, "version": req.version,
-             "fingerprint": ex.fingerprint, "source": ex.source}
+             "fingerprint": ex.fingerprint, "source": ex.source, "nbytes": weights_nbytes(ex)}
         if req.layer != P.DEFAULT_LAYER:
             r["layer"] = req.layer
         return r
