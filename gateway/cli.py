@@ -19,11 +19,13 @@ is queued and in flight, stop the local workers, exit 0.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 from typing import Optional, Sequence
 
+from gateway import placement_cli
 from gateway.chunking import chunk_rows_flag
 from transport.service import options
 from transport.service.launch import LISTENING
@@ -140,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="close a client connection idle this long, seconds (0: never)")
     srv.add_argument("--threads", type=int, default=1, help="the gateway's own BLAS threads (the gate matmul)")
     options.add_security(srv, service=True)
+    placement_cli.add_flags(p)
     options.add_common(p, "moe-gateway")
     from transport.service.metrics import add_flags
 
@@ -297,7 +300,11 @@ def serve_main(args) -> int:
                           timeout=args.worker_timeout, connect_timeout=args.connect_timeout,
                           split_replicas=not args.no_split, secret=secret, balancing=args.balancing,
                           ack_timeout=args.update_ack_timeout, fingerprints=fingerprints,
-                          chunk_rows=args.chunk_rows, reply_spin=args.reply_spin == "on")
+                          chunk_rows=args.chunk_rows, reply_spin=args.reply_spin == "on",
+                          **placement_cli.pool_options(args))
+        if args.placement_file:
+            with open(args.placement_file) as f:
+                pool.live.load(json.load(f))
         if local is not None and hasattr(local, "attach"):
             local.attach(pool)
         elif local is not None:
@@ -442,9 +449,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands",
                            description="without one, serve the layer")
     add_update_parser(sub)
+    placement_cli.add_parsers(sub)
     args = p.parse_args(argv)
     if args.command == "update":
         return update_main(args)
+    if args.command in ("placement", "workers"):
+        return placement_cli.run(args)
     return serve_main(args)
 
 
