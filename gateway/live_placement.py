@@ -35,6 +35,9 @@ log = logging.getLogger("moe.placement")
 MIN_GAIN = 0.01  # a target must lift balancedness by this much to be moved toward
 MIN_ROWS = 64  # a window with fewer rows than this says too little to move anything
 RETRY_AFTER = 5.0  # seconds before a drain whose move was abandoned is tried again
+# how far the busiest worker may go above the best placement found to keep copies where they
+# are: with none, small load changes reshuffle most copies of a large layer (docs/design.md#eplb)
+SLACK = 0.01
 
 
 class LivePlacement:
@@ -236,7 +239,8 @@ class LivePlacement:
                 continue
             alive = self.alive()
             try:
-                new = eplb.rebalance(load, self._layer_slots(L), redundant=self.redundant, current=cur, alive=alive)
+                new = eplb.rebalance(load, self._layer_slots(L), redundant=self.redundant, current=cur, alive=alive,
+                                     slack=SLACK)
             except ValueError as e:
                 log.warning("eplb: layer %d: %s", L, e)
                 target[L] = cur
