@@ -278,6 +278,7 @@ EXPECTED = {
     "docs/layer/batching.md": (0, 1, 1, 1, [], 0),
     "docs/layer/chunked-rounds.md": (0, 1, 1, 1, [], 0),
     "docs/layer/gateway.md": (0, 1, 1, 1, [], 0),
+    "docs/layer/placement.md": (0, 1, 1, 1, [], 0),
     "docs/layer/workers.md": (0, 1, 0, 1, [], 0),
     "docs/multi-host.md": (0, 3, 1, 3, ["kubectl", "kubectl", "moe-gateway", "ray", "ray"], 0),
     "docs/operations/hot-update.md": (0, 1, 1, 1, [], 0),
