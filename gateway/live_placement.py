@@ -36,7 +36,7 @@ MIN_GAIN = 0.01  # a target must lift balancedness by this much to be moved towa
 MIN_ROWS = 64  # a window with fewer rows than this says too little to move anything
 RETRY_AFTER = 5.0  # seconds before a drain whose move was abandoned is tried again
 # how far the busiest worker may go above the best placement found to keep copies where they
-# are: with none, small load changes reshuffle most copies of a large layer (docs/design.md#eplb)
+# are: with none, small load changes reshuffle most copies of a large layer (docs/design.md#one-versioned-placement-changed-only-by-bounded-moves)
 SLACK = 0.01
 
 

@@ -17,7 +17,9 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from gateway.chunking import ChunkMode, ChunkSetting, split_part
+from gateway.chunk_bounds import split_part
+from gateway.chunk_mode import ChunkMode
+from gateway.chunking import ChunkSetting
 from gateway.dispatch import DispatchPlan, split_over_replicas
 from gateway.expert_placement import ExpertPlacement
 from gateway.load_window import LoadWindow

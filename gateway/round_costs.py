@@ -15,7 +15,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Optional
 
-from gateway.chunking import ChunkMode, ColdFilter
+from gateway.chunk_mode import ChunkMode
+from gateway.chunking import ColdFilter
 
 if TYPE_CHECKING:
     from gateway.requests import Round

@@ -37,7 +37,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from gateway.chunking import ChunkSetting, chunk_groups, parse_chunk_rows
+from gateway.chunk_bounds import chunk_groups
+from gateway.chunking import ChunkSetting, parse_chunk_rows
 from gateway.combine import add_chunk, start_sums
 from gateway.dispatch import SumBuffers
 from gateway.planner import Planner
@@ -66,7 +67,7 @@ class RoundBook:
     versions a new request of that layer is served by (hot update); ``pinned_router(layer,
     pins)``: the router those pins route with, None for the layer's own. ``chunk_rows``:
     "auto" (sized from what each worker's replies measured), 0 (a part is one message) or
-    at most that many rows per message (cut between expert groups: chunking.part_bounds)."""
+    at most that many rows per message (cut between expert groups: chunk_bounds.part_bounds)."""
 
     def __init__(self, workers: WorkerSet, router, *, dtype: np.dtype, max_batch_tokens: int, timeout: float,
                  split_replicas: bool = True, min_split: int = 16,

@@ -3,15 +3,12 @@ boundaries, and the combine done chunk by chunk as replies land, against the who
 combine and the formulas."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from gateway.chunking import (MIN_CHUNK, RATE_SAMPLES, ChunkCosts, choose_chunks, chunk_groups, parse_chunk_rows,
-                               part_bounds)
-from gateway.dispatch import DispatchPlan, SumBuffers
-from workers import bf16
+from gateway.chunk_bounds import chunk_groups, part_bounds
+from gateway.chunking import MIN_CHUNK, RATE_SAMPLES, ChunkCosts, choose_chunks, parse_chunk_rows
 
 
 @pytest.mark.parametrize("value,expect", [("auto", "auto"), ("AUTO", "auto"), ("off", 0), ("0", 0), ("64", 64),
@@ -332,7 +329,7 @@ def test_split_part_ramps_between_part_bounds(counts, size):
     72 rows too small to cut inside a group); a cut
     inside a group is part_bounds' own (a long group's equal pieces) or keeps MIN_PIECE rows
     on both sides of it."""
-    from gateway.chunking import EDGE, MIN_PIECE, split_part
+    from gateway.chunk_bounds import EDGE, MIN_PIECE, split_part
     groups = _groups(counts)
     rows = sum(counts)
     base = part_bounds(groups, rows, size)
@@ -359,7 +356,7 @@ def test_ramps_double_from_each_end(size, more):
     """With a cut possible anywhere (one-row groups) and room for both ramps, the chunks from
     each end are edge, 2 edge, 4 edge ... until the next may be full size: each chunk lands
     while the one before computes."""
-    from gateway.chunking import EDGE, split_part
+    from gateway.chunk_bounds import EDGE, split_part
     rows = 4 * size + more
     b = split_part(_groups([1] * rows), rows, size)
     sizes = [y - x for x, y in zip(b, b[1:])]
@@ -374,7 +371,7 @@ def test_ramps_double_from_each_end(size, more):
 def test_ramps_grow_as_fast_as_the_transport_allows():
     """A ramp's growth is what lands while the chunk before computes: the worker's compute
     per row over its no-token time per row, half of it each way; clamped to [2, EDGE]."""
-    from gateway.chunking import EDGE, split_part
+    from gateway.chunk_bounds import EDGE, split_part
     c = ChunkCosts()
     assert c.ramp_growth(8192) == 2.0  # nothing measured: the cautious ramp
     c.record_compute(8192, 8192 * 11.5e-6)
@@ -398,7 +395,8 @@ def test_the_back_ramp_grows_as_fast_as_replies_are_read_and_summed():
     """The chunk before the last must be read and summed while the last one computes: the
     back ramp's growth is the compute per row over the way back's median time per row, from
     replies of OUT_ROWS rows or more; the front ramp's growth until that was measured."""
-    from gateway.chunking import EDGE, OUT_ROWS, SAMPLES, split_part
+    from gateway.chunk_bounds import EDGE, split_part
+    from gateway.chunking import OUT_ROWS, SAMPLES
     c = ChunkCosts()
     c.record_compute(8192, 8192 * 18e-6)
     for _ in range(SAMPLES):
@@ -430,7 +428,8 @@ def test_the_front_ramp_grows_as_fast_as_chunks_reach_the_worker():
     """The chunk after the first must reach the worker while the first computes: the front
     ramp's growth is the compute per row over the way in's median time per row, from chunks
     of OUT_ROWS rows or more; the whole round's no-token time until that was measured."""
-    from gateway.chunking import EDGE, OUT_ROWS, SAMPLES
+    from gateway.chunk_bounds import EDGE
+    from gateway.chunking import OUT_ROWS, SAMPLES
     c = ChunkCosts()
     c.record_compute(8192, 8192 * 18e-6)
     for _ in range(SAMPLES):
@@ -453,7 +452,8 @@ def test_the_front_ramp_grows_as_fast_as_chunks_reach_the_worker():
 def test_auto_prices_the_ramps_it_will_cut(way):
     """The size model weighs the messages split_part really sends, the ramps' included: a
     slow way in means more chunks up from the first, a slow way back more down to the last."""
-    from gateway.chunking import OUT_ROWS, SAMPLES, split_part
+    from gateway.chunk_bounds import split_part
+    from gateway.chunking import OUT_ROWS, SAMPLES
     groups = _groups([1] * 8192)
     flat = {r: 18e-6 for r in (8192, 4096, 2048, 1024, 512, 256, 128, 64, 32)}
     fast, slow = _costs(0.2e-3, flat, 60e-3), _costs(0.2e-3, flat, 60e-3)
@@ -469,7 +469,7 @@ def test_auto_prices_the_ramps_it_will_cut(way):
 
 
 def test_ramp_examples():
-    from gateway.chunking import split_part
+    from gateway.chunk_bounds import split_part
     # 1024-row groups at 2048 a chunk: 256, 512, 1024 from each end (inside the first and
     # last groups where no group starts in reach), full chunks between
     assert split_part(_groups([1024] * 8), 8192, 2048) == [0, 256, 768, 1792, 3072, 5120, 6400, 7424, 7936, 8192]
@@ -483,7 +483,7 @@ def test_a_ramp_cut_that_would_leave_a_sliver_moves_back_instead_of_ending_the_r
     (no group start in reach), the cut moves back to keep MIN_PIECE rows past it: a ramp
     that stopped there was followed by a full chunk, which the worker then waited for (over
     tcp, 128 rows and then 2940: 6.3 ms)."""
-    from gateway.chunking import MIN_PIECE, split_part
+    from gateway.chunk_bounds import MIN_PIECE, split_part
     groups = _groups([900, 1598, 1598, 1598, 1598, 900])
     b = split_part(groups, 8192, 4096, 5.5, 128)
     assert b[:3] == [0, 128, 900 - MIN_PIECE]  # 128 + 5.5 * 128 = 832 would leave 68 rows
@@ -505,7 +505,7 @@ def test_auto_with_groups_counts_split_messages_and_exposed_edges():
     """With the part's groups, auto weighs the messages split_part really makes and what
     stays exposed (the ramps' first and last chunks), not n equal chunks, over the sizes and
     the edges it may start the ramps from."""
-    from gateway.chunking import EDGE, split_part
+    from gateway.chunk_bounds import EDGE, split_part
     groups = _groups([1024] * 8)
     flat = {r: 1e-5 for r in (8192, 4096, 2048, 1024, 512, 256, 128, 64, 32)}  # no compute lost
     assert len(split_part(groups, 8192, 4096)) - 1 == 10
@@ -535,7 +535,8 @@ def test_auto_prices_the_edges_by_their_ways_measured_time_a_row():
     whole part's no-token time a row. Ways dearer than that make auto cut smaller edges
     (over shm the way back measured 0.6-0.7 us a row against that half's 0.4, and 512-row
     edges were chosen where 128-row ones left 0.4 ms less exposed), cheaper ones larger."""
-    from gateway.chunking import EDGE, OUT_ROWS, SAMPLES
+    from gateway.chunk_bounds import EDGE
+    from gateway.chunking import OUT_ROWS, SAMPLES
     groups = _groups([1024] * 8)
     flat = {r: 18e-6 for r in (8192, 4096, 2048, 1024, 512, 256, 128, 64, 32)}
     half = 30e-3 / (2 * 8192)
@@ -564,7 +565,7 @@ def test_auto_prices_the_edges_by_their_ways_measured_time_a_row():
 def test_auto_keeps_edges_whose_small_products_run_slow():
     """A small edge exposes less, but its products (and its ramp's) may run slower per row:
     that compute is counted per chunk, at the rate measured at the chunk's size."""
-    from gateway.chunking import EDGE
+    from gateway.chunk_bounds import EDGE
     groups = _groups([1024] * 8)
     fast = {r: 1e-5 for r in (8192, 4096, 2048, 1024, 512, 256, 128, 64, 32)}
     assert choose_chunks(8192, "auto", _costs(0.4e-3, fast, 30e-3), groups)[1] < 4096 // EDGE
@@ -574,7 +575,7 @@ def test_auto_keeps_edges_whose_small_products_run_slow():
 
 
 def test_fixed_sizes_keep_the_default_edge():
-    from gateway.chunking import EDGE
+    from gateway.chunk_bounds import EDGE
     assert choose_chunks(8192, 2048, None) == (2048, 2048 // EDGE)
     assert choose_chunks(8192, 0, None) == (8192, 8192 // EDGE)
 
@@ -620,352 +621,6 @@ def test_a_send_growing_with_rows_is_not_a_message_cost():
     assert one.send_s == pytest.approx(2e-3)
     one.record_send(-1.0, 128)  # a clock that went backwards is ignored
     assert one.send_s == pytest.approx(2e-3)
-
-
-def test_accumulator_sums_into_a_float32_output():
-    plan, rng = _plan()
-    out = np.full((plan.num_tokens, 4), 7.0, np.float32)
-    acc = plan.accumulator(4, into=out)
-    assert acc.array is out  # summed in place
-    assert not out[0].any() and (out[1:] == 7).all()  # only the token nobody computes is zeroed
-    assert not acc.seen.any()
-    assert plan.accumulator(4, into=np.empty((plan.num_tokens, 5), np.float32)).array.shape == (plan.num_tokens, 4)
-    half = np.empty((plan.num_tokens, 4), bf16.wire_dtype("bfloat16"))
-    acc = plan.accumulator(4, into=half)  # a narrow output is summed in float32 and rounded once
-    assert acc.array is not half and acc.array.dtype == np.float32
-
-
-def test_sum_buffers_hand_the_same_memory_back_and_keep_the_largest():
-    sums = SumBuffers(keep=2)
-    a = sums.take((4, 3))
-    assert a.shape == (4, 3) and a.dtype == np.float32 and len(sums) == 0
-    sums.give(a)
-    b = sums.take((2, 5))  # smaller: the same memory, reshaped
-    assert len(sums) == 0 and np.shares_memory(a, b) and b.shape == (2, 5)
-    c = sums.take((5, 3))  # none free: a new one
-    assert not np.shares_memory(b, c)
-    sums.give(b)
-    with pytest.raises(RuntimeError, match="twice"):
-        sums.give(b)
-    sums.give(c)
-    big = sums.take((10, 10))  # larger than both: new; given back, it replaces the smallest
-    sums.give(big)
-    assert len(sums) == 2 and np.shares_memory(sums.take((10, 10)), big) and np.shares_memory(sums.take((5, 3)), c)
-    sums.give(np.zeros((4, 3), np.float32))  # a caller's own array (no 1-D base): never kept
-    sums.give(np.zeros(12, np.float64)[:6])
-    assert len(sums) == 0
-
-
-def test_a_combine_takes_its_float32_sum_from_sum_buffers_and_gives_it_back():
-    plan, rng = _plan()
-    d = 8
-    ys = [bf16.from_float32(rng.standard_normal((plan.worker_tokens(w), d)).astype(np.float32))
-          for w in range(plan.n_workers)]
-    want = plan.combine(ys, np.empty((plan.num_tokens, d), np.uint16))
-    sums = SumBuffers()
-    stale = sums.take((plan.num_tokens, d))
-    stale[:] = np.nan  # what the last request left there is never read
-    sums.give(stale)
-    assert plan.combine(ys, np.empty((plan.num_tokens, d), np.uint16), sums=sums).tobytes() == want.tobytes()
-    assert len(sums) == 1
-    acc = plan.accumulator(d, into=np.empty((plan.num_tokens, d), np.uint16), sums=sums)
-    assert len(sums) == 0 and np.shares_memory(acc.array, stale)
-    for w in range(plan.n_workers):
-        plan.accumulate(w, 0, plan.worker_tokens(w), ys[w], acc)
-    assert plan.finish(acc, np.empty((plan.num_tokens, d), np.uint16)).tobytes() == want.tobytes()
-    acc.release()
-    acc.release()  # once given back, never again
-    assert len(sums) == 1
-    own = np.empty((plan.num_tokens, d), np.float32)  # a float32 output is summed in place: not the sums'
-    acc = plan.accumulator(d, into=own, sums=sums)
-    assert acc.array is own and len(sums) == 1
-    acc.release()
-    assert len(sums) == 1 and not np.shares_memory(sums.take((plan.num_tokens, d)), own)
-
-
-def _plan(T=23, k=3, n_workers=3, n_experts=6, seed=0):
-    rng = np.random.default_rng(seed)
-    idx = np.stack([rng.permutation(n_experts)[:k] for _ in range(T)])
-    idx[rng.random(idx.shape) < 0.15] = -1  # dropped slots
-    idx[0] = -1  # a token whose every slot was dropped
-    wts = rng.random(idx.shape).astype(np.float32)
-    return DispatchPlan.build(idx, wts, [e % n_workers for e in range(n_experts)], n_workers), rng
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("size", [1, 4, 7, 1000])
-def test_accumulate_chunk_by_chunk_equals_the_whole_combine(dtype, size):
-    plan, rng = _plan()
-    d = 16
-    wire = np.dtype(np.float32) if dtype == "float32" else bf16.wire_dtype("bfloat16")
-    outputs = [bf16.from_float32(rng.standard_normal((plan.worker_tokens(w), d)).astype(np.float32))
-               if dtype == "bfloat16" else rng.standard_normal((plan.worker_tokens(w), d)).astype(np.float32)
-               for w in range(plan.n_workers)]
-    whole = plan.combine(outputs, np.empty((plan.num_tokens, d), wire))
-    acc = plan.accumulator(d, into=np.full((plan.num_tokens, d), np.nan, np.float32))  # none of it read
-    chunks = [(w, lo) for w in range(plan.n_workers) for lo in range(0, plan.worker_tokens(w), size)]
-    for i in rng.permutation(len(chunks)):  # in any order replies may land
-        w, lo = chunks[i]
-        hi = min(lo + size, plan.worker_tokens(w))
-        plan.accumulate(w, lo, hi, outputs[w][lo:hi], acc)
-    got = plan.finish(acc, np.empty((plan.num_tokens, d), wire))
-    assert not np.any(bf16.to_float32(got)[0] if dtype == "bfloat16" else got[0])  # all slots dropped: 0
-    if dtype == "float32":
-        np.testing.assert_allclose(got, whole, rtol=1e-6, atol=1e-6)
-    else:  # both sum in float32 and round once; the order of a token's terms may differ
-        np.testing.assert_allclose(bf16.to_float32(got), bf16.to_float32(whole), rtol=1e-2, atol=1e-2)
-
-
-def test_gather_into_a_range_of_rows():
-    plan, rng = _plan()
-    x = rng.standard_normal((plan.num_tokens, 5)).astype(np.float32)
-    w = 1
-    whole = plan.gather(x, w)
-    n = plan.worker_tokens(w)
-    out = np.empty((n - 3, 5), np.float32)
-    plan.gather_into(x, w, out, rows=(2, n - 1))
-    np.testing.assert_array_equal(out, whole[2:n - 1])
-    with pytest.raises(ValueError, match="outside"):
-        plan.gather_into(x, w, out, rows=(2, n + 1))
-
-
-def _asks(m, n):
-    return [m.want_chunks() for _ in range(n)]
-
-
-def test_chunk_mode_measures_both_ways_and_keeps_the_cheaper():
-    from gateway.chunking import PROBE_EVERY, PROBES, WARMUP, ChunkMode
-    m = ChunkMode()
-    assert not any(_asks(m, 50))  # nothing measured: whole, however often asked
-    for _ in range(WARMUP):
-        assert not m.want_chunks()
-        m.record(False, 0.05, 500)  # 100 us a row, whole
-    probes = []
-    while len(m.samples[True]) < PROBES:  # whole measured, chunked not yet: every other round
-        c = m.want_chunks()
-        probes.append(c)
-        m.record(c, 0.06 if c else 0.05, 500)  # chunked measured dearer (120 us a row)
-        assert len(probes) < 4 * PROBES
-    assert probes.count(True) == PROBES and probes.count(False) in (PROBES - 1, PROBES, PROBES + 1)
-    picks = []
-    for _ in range(3 * PROBE_EVERY):
-        c = m.want_chunks()
-        picks.append(c)
-        m.record(c, 0.06 if c else 0.05, 500)
-    # whole nearly always, chunked once in a while to stay measured: after PROBE_EVERY
-    # rounds, again after as many, then (the choice held) after twice as many
-    assert [i + 1 for i, c in enumerate(picks) if c] == [PROBE_EVERY, 2 * PROBE_EVERY]
-    m.record(False, 5.0, 500)  # one round 100x slower (a shared machine) flips nothing
-    assert m.per_row(False) == pytest.approx(1e-4) and _asks(m, PROBE_EVERY).count(True) == 1
-    m2 = ChunkMode()  # and the other way round: chunks cheaper, chunks kept
-    for _ in range(WARMUP):
-        m2.record(False, 0.05, 500)
-    for _ in range(3 * PROBE_EVERY):
-        c = m2.want_chunks()
-        m2.record(c, 0.04 if c else 0.05, 500)
-    assert _asks(m2, 2 * PROBE_EVERY).count(False) == 1 and m2.per_row(True) < m2.per_row(False)
-    snap = m2.snapshot()
-    assert snap["asked"] == m2.asked and snap["chunked_s_per_row"] < snap["whole_s_per_row"]
-    assert snap["chunks_cheaper"] and not m.snapshot()["chunks_cheaper"]
-
-
-def test_chunks_are_cheaper_only_by_the_margin():
-    """The verdict the choice and its snapshot share: chunked rounds cheaper per row than
-    whole ones by more than MODE_MARGIN, and nothing before both ways have a sample."""
-    from gateway.chunking import MODE_MARGIN, ChunkMode
-    m = ChunkMode()
-    assert not m.chunks_cheaper()
-    m.record(True, 0.01, 100)
-    assert not m.chunks_cheaper()  # no whole round yet
-    m.record(False, 0.01 / (1 - MODE_MARGIN) * 1.001, 100)
-    assert m.chunks_cheaper()
-    m2 = ChunkMode()
-    m2.record(True, 0.01, 100)
-    m2.record(False, 0.01 / (1 - MODE_MARGIN) * 0.999, 100)  # inside the margin: whole
-    assert not m2.chunks_cheaper() and not m2.snapshot()["chunks_cheaper"]
-
-
-def test_chunk_mode_keeps_chunks_a_few_percent_cheaper():
-    """At 4096 tokens over shm with one worker, chunked rounds ran 2-8% cheaper per row than
-    whole ones, and a 5% margin kept parts whole in three runs of six (moe-bench moe). Chunks
-    3.6% cheaper are kept; 1% cheaper is within the noise, and parts stay whole."""
-    from gateway.chunking import MODE_MARGIN, PROBES, SAMPLES, WARMUP, ChunkMode
-    whole = (14.05, 14.40, 13.90, 14.30, 14.60)[:WARMUP + 1]  # us a row; lower quartile 14.05
-    for chunked, keep in (((13.55, 13.70, 13.62), True), ((13.95, 14.10, 13.98), False)):
-        m = ChunkMode()
-        for t in whole:
-            m.record(False, t * 1e-6, 1)
-        for i in range(SAMPLES):  # a close call: made on SAMPLES probes, not PROBES
-            assert not m.settled and not m.want_chunks(measurable=False)
-            m.record(True, chunked[i % len(chunked)] * 1e-6, 1)
-            assert m.close_call()
-            if i + 1 == PROBES:  # three probes' lower quartile is the fastest of them
-                assert m.per_row(True) == min(chunked) * 1e-6
-        assert m.settled and m.want_chunks(measurable=False) is keep
-        assert (m.per_row(True) < m.per_row(False) * (1 - MODE_MARGIN)) is keep
-
-
-@pytest.mark.parametrize("chunked_us,keep", [(12.5, True), (14.3, False)],
-                         ids=["chunks-11%-cheaper", "chunks-2%-dearer"])
-def test_chunk_mode_settles_a_clear_call_on_its_first_probes(chunked_us, keep):
-    """Chunks well clear of the margin either way: PROBES probes decide, and the next
-    rounds go the chosen way."""
-    from gateway.chunking import PROBES, WARMUP, ChunkMode
-    m = ChunkMode()
-    for _ in range(WARMUP):
-        m.record(False, 14.0e-6, 1)
-    for i in range(PROBES):
-        assert not m.settled
-        m.record(True, (chunked_us + 0.1 * i) * 1e-6, 1)
-    assert m.settled and not m.close_call() and m.want_chunks(measurable=False) is keep
-
-
-def test_chunk_mode_keeps_chunks_until_they_are_dearer():
-    """Chunks are taken once 2% cheaper per row, then kept while not dearer: at 4096 tokens
-    over shm a chunked probe that moved them from 2.0% to 1.7% cheaper sent the rest of a
-    run whole (2 runs of 8). Back from whole parts, chunks must be 2% cheaper again."""
-    from gateway.chunking import MODE_MARGIN, SAMPLES, WARMUP, ChunkMode
-    m = ChunkMode()
-    for _ in range(WARMUP + 1):
-        m.record(False, 16.8e-6, 1)
-
-    def chunked_at(us: float) -> bool:  # the choice once the last SAMPLES chunked rounds took us a row
-        for _ in range(SAMPLES):
-            m.record(True, us * 1e-6, 1)
-        return m.want_chunks(measurable=False)
-
-    assert chunked_at(16.4) and m.snapshot()["chunks_kept"]  # 2.4% cheaper: taken
-    assert chunked_at(16.55) and not m.chunks_cheaper()  # 1.5%: inside the margin, kept
-    assert chunked_at(16.79)  # still not dearer
-    assert not chunked_at(16.9) and m.snapshot()["chunks_kept"] is False  # dearer: whole parts
-    assert 16.6 > 16.8 * (1 - MODE_MARGIN) and not chunked_at(16.6)  # 1.2% cheaper is not enough back
-    assert chunked_at(16.4)  # 2.4% is
-
-
-def test_chunk_mode_sees_through_stalled_probes():
-    """The first rounds to write a slot's pages stall (2-5x here), whichever way they go: two
-    stalled probes of three must not keep parts whole when chunks are cheaper (measured at
-    8192 tokens over tcp: whole 16.3-17.4 us a row, with stalls of 60 and 89; chunked 13.6,
-    with stalls of 29 and 25)."""
-    from gateway.chunking import WARMUP, ChunkMode
-    m = ChunkMode()
-    for s in (16.74, 16.64, 17.43, 17.39, 16.27)[:WARMUP + 1]:
-        m.record(False, s * 1e-6, 1)
-    for chunked, s in ((True, 29.36), (False, 60.40), (True, 13.58), (False, 89.18), (True, 25.15)):
-        m.record(chunked, s * 1e-6, 1)
-    assert m.want_chunks(measurable=False)  # chunks cheaper: even unmeasurable rounds go chunked
-    assert m.per_row(True) == pytest.approx(13.58e-6)
-
-
-def test_chunk_mode_probes_less_while_the_choice_holds_and_again_when_it_flips():
-    """A probe costs a round the dearer way: while probes leave the choice as it was the
-    interval doubles (to MAX_PROBE_EVERY); once the measured medians flip it, it starts
-    over at PROBE_EVERY."""
-    from gateway.chunking import MAX_PROBE_EVERY, PROBE_EVERY, PROBES, SAMPLES, WARMUP, ChunkMode
-    m = ChunkMode()
-    for _ in range(WARMUP):
-        m.record(False, 0.05, 500)
-    for _ in range(PROBES):
-        m.record(True, 0.06, 500)  # chunks dearer
-    gaps, last = [], 0
-    for i in range(1, 2000):
-        if m.want_chunks():
-            gaps.append(i - last)
-            last = i
-    assert gaps[:6] == [PROBE_EVERY, PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, MAX_PROBE_EVERY]
-    assert set(gaps[5:]) == {MAX_PROBE_EVERY} and m.probe_every == MAX_PROBE_EVERY
-    for _ in range(SAMPLES):  # chunks are cheaper now (say the load changed)
-        m.record(True, 0.03, 500)
-    picks = _asks(m, MAX_PROBE_EVERY)
-    assert picks[0] and 1 <= picks.count(False) <= 5  # chunked from here on, whole as probes:
-    flip = picks.index(False) + 1  # the first probe after the flip saw it and started over
-    probes = [i + 1 for i, c in enumerate(picks) if not c]
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps == [PROBE_EVERY * 2 ** i for i in range(len(gaps))]  # from PROBE_EVERY, doubling again
-    assert flip <= MAX_PROBE_EVERY and m.probe_every < MAX_PROBE_EVERY
-
-
-def test_chunk_mode_probes_only_with_rounds_it_can_measure():
-    """Under load few rounds are alone in flight, so few can be timed: until both ways are
-    measured the others go whole (probing with them chunked half the rounds blind), and
-    once measured they follow the measured way; a probe is one measurable round in
-    PROBE_EVERY, however rarely a measurement comes."""
-    from gateway.chunking import PROBE_EVERY, PROBES, WARMUP, ChunkMode
-    m = ChunkMode()
-    for _ in range(WARMUP):
-        m.record(False, 0.05, 500)
-    assert not any(m.want_chunks(measurable=False) for _ in range(100))  # chunks not measured yet
-    while len(m.samples[True]) < PROBES:
-        if m.want_chunks(measurable=True):
-            m.record(True, 0.06, 500)  # chunks measured dearer
-    assert not any(m.want_chunks(measurable=False) for _ in range(100))
-    picks = [m.want_chunks(measurable=True) for _ in range(20 * PROBE_EVERY)]
-    assert [i + 1 for i, c in enumerate(picks) if c] == [16, 32, 64, 128, 256]  # backing off
-    m2 = ChunkMode()  # chunks measured cheaper: unmeasurable rounds go chunked too
-    for _ in range(WARMUP):
-        m2.record(False, 0.05, 500)
-    for _ in range(PROBES):
-        m2.record(True, 0.04, 500)
-    assert all(m2.want_chunks(measurable=False) for _ in range(100))
-
-
-# measured at 8192 tokens over tcp, one worker (minor page faults of the gateway and the
-# worker per round, and us per row): the whole warm-up rounds are warm; all three probes,
-# and the whole rounds between them, write pages of slots no round had used
-_WARM_WHOLE = [(16.74, 690), (16.64, 545), (17.43, 640), (17.39, 528)]
-_COLD_PROBES = [(True, 29.36, 16912), (False, 60.40, 42903), (True, 25.15, 5285), (False, 89.18, 10579),
-                (True, 31.02, 5421)]
-_WARM_PROBES = [(True, 13.58, 528), (False, 16.92, 528), (True, 13.91, 529), (False, 17.05, 528),
-                (True, 13.66, 528)]
-
-
-def _replay(m, rounds, faults=True):
-    for chunked, us, flt in rounds:
-        m.record(chunked, us * 1e-6, 1, flt if faults else None)
-
-
-def test_chunk_mode_leaves_out_rounds_that_faulted_in_fresh_memory():
-    """All three warm-up probes stalled on fresh slot pages: their times (and the stalled
-    whole rounds') are left out, probing goes on, and the warm probes that follow decide.
-    The same times without the fault counts keep parts whole: the stalls decide there."""
-    from gateway.chunking import PROBES, WARMUP, ChunkMode
-    m = ChunkMode()
-    _replay(m, [(False, us, flt) for us, flt in _WARM_WHOLE][:WARMUP])
-    _replay(m, _COLD_PROBES)
-    assert m.cold == len(_COLD_PROBES) and not m.settled
-    assert m.want_chunks() != m.want_chunks()  # still probing: every other measurable round
-    _replay(m, _WARM_PROBES)
-    assert m.settled and len(m.samples[True]) == PROBES
-    assert m.want_chunks(measurable=False) and m.per_row(True) == pytest.approx(13.58e-6)
-    assert m.snapshot()["cold"] == len(_COLD_PROBES) and m.snapshot()["settled"]
-
-    blind = ChunkMode()
-    _replay(blind, [(False, us, flt) for us, flt in _WARM_WHOLE][:WARMUP], faults=False)
-    _replay(blind, _COLD_PROBES, faults=False)
-    assert blind.settled and not blind.want_chunks(measurable=False)
-
-
-def test_chunk_mode_takes_a_steady_fault_rate_as_the_baseline():
-    """Faults every round alike (the gateway's fresh output array, 528 here, each round) are
-    the steady state: nothing is left out."""
-    from gateway.chunking import ChunkMode
-    m = ChunkMode()
-    _replay(m, [(i % 2 == 1, 15.0, 528 + (i % 3)) for i in range(12)])
-    assert m.cold == 0 and m.rounds == 12
-
-
-def test_chunk_mode_takes_a_way_that_always_faults_after_a_run_of_cold_rounds():
-    """A way whose every round faults is that way's cost, not a start-up: after SAMPLES cold
-    rounds in a row its rounds count, and keep counting until one is warm again."""
-    from gateway.chunking import SAMPLES, WARMUP, ChunkMode
-    m = ChunkMode()
-    _replay(m, [(False, 15.0, 0)] * WARMUP)
-    for i in range(SAMPLES):
-        m.record(True, 20e-6, 1, 5000)
-        m.record(False, 15e-6, 1, 0)
-    assert m.cold == SAMPLES and not m.samples[True]
-    _replay(m, [(True, 20.0, 5000)] * 3)
-    assert len(m.samples[True]) == 3 and m.settled and not m.want_chunks(measurable=False)
 
 
 def test_worker_fault_counts_are_differences_between_replies():

@@ -227,7 +227,7 @@ def test_warm_up_goes_on_while_auto_still_measures_both_ways():
 def test_the_warm_up_line_says_what_autos_choice_stands_on():
     """A run that sent its parts whole shows why: its per-row figures and which way won."""
     from bench.moe_bench import per_row_line
-    from gateway.chunking import ChunkMode
+    from gateway.chunk_mode import ChunkMode
     m = ChunkMode()
     assert per_row_line(m.snapshot()) == ""  # nothing measured: nothing to show
     m.record(False, 0.0174, 1000)
