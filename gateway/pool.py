@@ -107,6 +107,7 @@ class WorkerPool:
         self.live = LivePlacement(self.workers, self.rebalancer, planner, layers, eplb_on=eplb,
                                   redundant=redundant_experts, interval=eplb_interval)
         self.rollout.on_settled = self.admission.recheck
+        self.rollout.routed = lambda layer, e: planner.placement.of(layer, e) if planner.placement else None
         self.rollout.blocked = lambda: ("a move of expert copies is loading; try again when it is done"
                                         if self.rebalancer.loading else None)
         self.workers.on_message = self._on_message

@@ -58,6 +58,8 @@ class Rollout:
         self.on_settled: Callable[[list], None] = lambda keys: None
         #: why an update may not start now (a move of expert copies loading), or None
         self.blocked: Callable[[], Optional[str]] = lambda: None
+        #: the workers the expert placement routes (layer, expert) to, or None (every host)
+        self.routed: Callable[[int, int], Optional[tuple]] = lambda layer, expert: None
 
     # -- what requests get -------------------------------------------------------------------
     def decide(self, layer: int = P.DEFAULT_LAYER) -> dict:
@@ -75,9 +77,12 @@ class Rollout:
 
     # -- commands ----------------------------------------------------------------------------
     def _live_hosts(self, expert: int, layer: int = P.DEFAULT_LAYER) -> list[WorkerLink]:
-        """Hosts of the expert that take part in updates: connected and admitted (one being
-        admitted is brought to the update's state by admission)."""
-        return [w for w in self.workers if w.hosts(expert, layer) and w.admitted]
+        """Hosts of the expert that take part in updates: the workers the placement routes it
+        to (every host, without one), connected and admitted (one being admitted is brought
+        to the update's state by admission)."""
+        routed = self.routed(layer, expert)
+        return [w for w in self.workers if w.hosts(expert, layer) and w.admitted
+                and (routed is None or w.index in routed)]
 
     def _n_ids(self, layer: int) -> int:
         r = self.routers.get(layer)
