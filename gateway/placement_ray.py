@@ -53,6 +53,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from transport.service.backoff import Backoff
+
 if TYPE_CHECKING:
     from gateway.pool import WorkerPool
 
@@ -303,7 +305,7 @@ class RayWorkers:
         self.links = None  # the pool's WorkerSet, once attached
         self._asking: set = set()
         self._next: list[float] = []
-        self._backoff: list[float] = []
+        self._backoff: list[Backoff] = []
         self._closed = False
         try:
             gateway_node = ray.get_runtime_context().get_node_id()
@@ -343,7 +345,7 @@ class RayWorkers:
         self.urls = [w["url"] for w in self.where]
         self.restarts = [0] * len(self.actors)
         self._next = [0.0] * len(self.actors)
-        self._backoff = [0.0] * len(self.actors)
+        self._backoff = [Backoff(*ASK_BACKOFF) for _ in self.actors]
         for w, node in zip(self.where, order):
             log.info("ray worker %d on node %s (%s): %s, pid %d%s", w["index"], node.ip, node.node_id[:8], w["url"],
                      w["pid"], f", metrics {w['metrics']}" if w.get("metrics") else "")
@@ -395,21 +397,20 @@ class RayWorkers:
         if self._closed:
             return
         if isinstance(got, Exception):
-            self._backoff[i] = min(ASK_BACKOFF[1], max(ASK_BACKOFF[0], self._backoff[i] * 2))
-            self._next[i] = time.monotonic() + self._backoff[i]
+            pause = self._backoff[i].next()
+            self._next[i] = time.monotonic() + pause
             log.warning("ray worker %d: cannot learn where it listens (%s: %s); asking again in %.1f s",
-                        i, type(got).__name__, got, self._backoff[i])
+                        i, type(got).__name__, got, pause)
             return
         old = self.where[i]
         self.where[i] = got
         if got["url"] == self.urls[i]:
             # same process, same URL: the pool's own reconnection takes it back; look again
             # later in case the process is replaced meanwhile
-            self._backoff[i] = min(ASK_BACKOFF[1], max(ASK_BACKOFF[0], self._backoff[i] * 2))
-            self._next[i] = time.monotonic() + self._backoff[i]
+            self._next[i] = time.monotonic() + self._backoff[i].next()
             return
         self.restarts[i] += 1
-        self._backoff[i] = 0.0
+        self._backoff[i].reset()
         self._next[i] = time.monotonic() + ASK_BACKOFF[0]
         log.warning("ray worker %d restarted (pid %s -> %s) at %s", i, old.get("pid"), got["pid"], got["url"])
         self.urls[i] = got["url"]

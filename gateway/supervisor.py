@@ -1,7 +1,7 @@
 """Local workers: moe-worker child processes a gateway starts, supervises and stops.
 
 A local worker that dies is reaped at once (no zombie) and started again with a growing
-back-off; the respawn runs in a thread (starting Python takes a while) and its new URL is
+back-off (with jitter); the respawn runs in a thread (starting Python takes a while) and its new URL is
 handed to the serve loop, where the pool reconnects to it. Workers exit with the gateway
 (--exit-with-parent), and are stopped for sure when it closes.
 """
@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
+from transport.service.backoff import Backoff
 from transport.service.launch import ServiceError, blas_env, spawn_service, stop_process
 
 log = logging.getLogger("moe.supervisor")
@@ -62,7 +63,7 @@ class LocalWorkers:
         self.urls: list[str] = [""] * len(self.commands)
         self.restarts = [0] * len(self.commands)
         self._started = [0.0] * len(self.commands)
-        self._backoff = [0.0] * len(self.commands)
+        self._backoff = [Backoff(*RESPAWN_BACKOFF) for _ in self.commands]
         self._next = [0.0] * len(self.commands)
         self._spawning: set = set()
         self._closed = False
@@ -90,11 +91,12 @@ class LocalWorkers:
                     proc.stdout.close()
                 self.procs[i] = None
                 lived = now - self._started[i]
-                self._backoff[i] = RESPAWN_BACKOFF[0] if lived > STABLE_AFTER else \
-                    min(RESPAWN_BACKOFF[1], max(RESPAWN_BACKOFF[0], self._backoff[i] * 2))
-                self._next[i] = now + self._backoff[i]
+                if lived > STABLE_AFTER:
+                    self._backoff[i].reset()
+                pause = self._backoff[i].next()
+                self._next[i] = now + pause
                 log.warning("local worker %d (pid %d) exited with %s after %.1f s: restarting in %.1f s",
-                            i, proc.pid, rc, lived, self._backoff[i])
+                            i, proc.pid, rc, lived, pause)
             if self.procs[i] is None and i not in self._spawning and not self._closed:
                 if now >= self._next[i]:
                     self._respawn(i)
@@ -120,9 +122,9 @@ class LocalWorkers:
     def _respawned(self, i: int, got) -> None:
         self._spawning.discard(i)
         if isinstance(got, Exception):
-            self._backoff[i] = min(RESPAWN_BACKOFF[1], max(RESPAWN_BACKOFF[0], self._backoff[i] * 2))
-            self._next[i] = time.monotonic() + self._backoff[i]
-            log.warning("local worker %d did not start: %s; retrying in %.1f s", i, got, self._backoff[i])
+            pause = self._backoff[i].next()
+            self._next[i] = time.monotonic() + pause
+            log.warning("local worker %d did not start: %s; retrying in %.1f s", i, got, pause)
             return
         proc, url = got
         if self._closed:

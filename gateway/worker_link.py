@@ -13,11 +13,14 @@ from typing import Any, Optional
 import numpy as np
 
 from gateway.chunking import ChunkCosts, ChunkSizer
+from transport.service.backoff import Backoff
 from transport.service.secrets import is_loopback
 from workers import protocol as P
 
 __all__ = ["Health", "LayerShape", "WorkerLink", "worker_layers", "check_layers"]
 
+
+RECONNECT_BACKOFF = (0.05, 0.5)  # first and longest wait between reconnection attempts
 
 class Health(str, enum.Enum):
     ADMITTING = "admitting"  # connected, being brought to the served weights (gateway/admission.py)
@@ -129,7 +132,7 @@ class WorkerLink:
     last_heard: float = 0.0
     ping_sent: Optional[float] = None
     next_attempt: float = 0.0
-    backoff: float = 0.0
+    backoff: Backoff = field(default_factory=lambda: Backoff(*RECONNECT_BACKOFF))
     connecting: bool = False
     control_queue: list = field(default_factory=list)  # control headers waiting for a busy connection
 

@@ -30,15 +30,16 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 import transport
-from gateway.worker_link import Health, LayerShape, WorkerLink, check_layers, worker_layers
+from gateway.worker_link import (RECONNECT_BACKOFF, Health, LayerShape, WorkerLink,  # noqa: F401
+                                 check_layers, worker_layers)
 from transport import ConnectionClosed, Timeout, TransportError
+from transport.service.backoff import Backoff
 from workers import protocol as P
 
 log = logging.getLogger("moe.workers")
 
 HEARTBEAT_INTERVAL = 0.5  # a worker not heard from for this long is pinged
 HEARTBEAT_TIMEOUT = 2.0  # a ping unanswered this long makes the worker unhealthy
-RECONNECT_BACKOFF = (0.05, 0.5)  # first and longest wait between reconnection attempts
 REFUSED_BACKOFF = 5.0  # a worker that came back wrong is retried this slowly
 CONNECT_ATTEMPT = 2.0  # one reconnection attempt (connect, handshake, info) at most
 MIN_SLOT_SIZE = 64 << 10
@@ -155,19 +156,20 @@ class WorkerSet:
         may still be starting); raises with every worker's reason if one never answers."""
         deadline = time.monotonic() + connect_timeout
         for w in self.links:
-            delay = RECONNECT_BACKOFF[0]
+            wait = Backoff(*RECONNECT_BACKOFF)
             while True:
                 try:
                     conn, info = self._connect(w.url, max(0.5, min(self.timeout, deadline - time.monotonic())))
                     break
-                except transport.Refused:  # it answered, and the answer is no: final
+                except transport.Refused as e:  # it answered, and the answer is no: final
+                    e.peer = w.url
                     raise
                 except (ConnectionClosed, Timeout) as e:  # not up yet: retry
+                    delay = wait.next()
                     if time.monotonic() + delay >= deadline:
                         raise ConnectionClosed(f"worker {w.url} did not answer within {connect_timeout:.0f} s: "
                                                f"{e}") from None
                     time.sleep(delay)
-                    delay = min(RECONNECT_BACKOFF[1], delay * 2)
             self._attach(w, conn, info, first=True)
         for L, n in self.shape.n_ids.items():
             missing = [e for e in range(n) if not any(w.hosts(e, L) for w in self.links)]
@@ -193,7 +195,7 @@ class WorkerSet:
         w.max_experts = max(hosted, int(info.get("max_experts") or hosted))
         w.state, w.why = Health.ADMITTING, "being brought to the served weights"
         w.admitted_at = None
-        w.backoff = 0.0
+        w.backoff.reset()
         w.last_heard = time.monotonic()
         w.ping_sent = None
         n_ids = self.shape.n_ids
@@ -261,7 +263,7 @@ class WorkerSet:
             self.lost(w, f"moved to {url}")
         w.url = url
         w.next_attempt = 0.0
-        w.backoff = 0.0
+        w.backoff.reset()
 
     # -- health ----------------------------------------------------------------------------
     @staticmethod
@@ -309,8 +311,7 @@ class WorkerSet:
         w.state, w.why = Health.LOST, why
         w.ping_sent = None
         w.control_queue = []  # control messages for the connection that went (their owners time out)
-        w.backoff = RECONNECT_BACKOFF[0]
-        w.next_attempt = time.monotonic() + w.backoff
+        w.next_attempt = time.monotonic() + w.backoff.restart()
         log.warning("worker %s lost: %s", w.url, why)
         for fn in self.on_down:  # the owner unwatches it (before close: its fd may be reused at once)
             fn(w, why)
@@ -455,8 +456,7 @@ class WorkerSet:
                 self._refuse(w, str(result))  # it answered, and the answer is no: retry slowly
                 return
             w.why = f"reconnecting: {result}"
-            w.backoff = min(RECONNECT_BACKOFF[1], max(RECONNECT_BACKOFF[0], w.backoff * 2))
-            w.next_attempt = time.monotonic() + w.backoff
+            w.next_attempt = time.monotonic() + w.backoff.next()
             return
         self._attach(w, *result)
 
