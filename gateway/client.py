@@ -58,10 +58,19 @@ class GatewayClient:
         max_batch_tokens x d_model x the dtype's size (:func:`gateway_slot_size`)."""
         self.url = url
         self.timeout = timeout
-        secret = secrets.for_client(secret, secret_file)
-        self.conn = transport.connect(url, slot_size=slot_size, nslots=nslots,
-                                      timeout=connect_timeout or timeout, secret=secret,
-                                      max_peer_slot_size=max_peer_slot_size)
+        path, source = None, ""
+        if secret is secrets.FIND:
+            secret, path = secrets.resolve(secret_file)
+            source = secrets.whence(secret_file, path)
+        elif secret is not None:
+            path = "the secret passed to GatewayClient"
+        try:
+            self.conn = transport.connect(url, slot_size=slot_size, nslots=nslots,
+                                          timeout=connect_timeout or timeout, secret=secret,
+                                          max_peer_slot_size=max_peer_slot_size)
+        except transport.AuthenticationError as e:  # say which secret this side used, and whence
+            raise transport.AuthenticationError(secrets.advice(e, this="this client", peer=f"the gateway at {url}",
+                                                               path=path, source=source), e.why) from None
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._done: dict[int, Any] = {}  # request id -> (header, array copy or kept Message) or error

@@ -66,6 +66,25 @@ def test_authentication_failures_are_clear(cs, ss, who):
     assert ("secret" in str(e.value))
 
 
+@pytest.mark.parametrize("cs,ss,client_why,server_why", [
+    (b"a" * 16, b"b" * 16, "mismatch", "mismatch"),
+    (None, b"b" * 16, "this_has_none", "peer_has_none"),
+    (b"a" * 16, None, "peer_has_none", "this_has_none")])
+def test_each_side_knows_which_side_has_the_secret(cs, ss, client_why, server_why):
+    """Whichever side fails first, each reads the failure from its own point of view: the
+    refusal frame says the kind from the refuser's, and the receiver turns it round."""
+    c, s = _pair({"secret": cs}, {"secret": ss})
+    with pytest.raises(AuthenticationError) as e:
+        _run(c, s)
+    failed, other = (c, s) if e.value is not None and c.refusal is not None else (s, c)
+    why = {c: client_why, s: server_why}
+    assert e.value.why == why[failed]
+    # the side that refused sent a frame; the other side reads it as its own kind of failure
+    refused = hs.refusal_error(hs.framing.decode_hello(failed.refusal[framing.PREFIX_SIZE:]))
+    assert isinstance(refused, AuthenticationError) and refused.why == why[other], (refused, refused.why)
+    assert "secret" in str(refused) and str(refused).startswith("peer refused the connection: ")
+
+
 def test_a_proof_from_another_session_is_refused():
     """Fresh nonces on both sides: a recorded AUTH frame does not open a new session."""
     c1, s1 = _pair({"secret": b"k" * 16}, {"secret": b"k" * 16})

@@ -53,3 +53,35 @@ def test_an_empty_secret_file_is_refused(tmp_path):
     p.write_text("\n")
     with pytest.raises(secrets.SecretError, match="empty"):
         secrets.read(str(p))
+
+
+def test_whence_and_advice_name_the_file_and_the_fix(tmp_path, monkeypatch):
+    from transport.errors import AuthenticationError as A
+
+    path = str(tmp_path / "s")
+    monkeypatch.setenv(secrets.ENV, path)
+    assert secrets.whence(None, path) == "from $MOE_SECRET_FILE"
+    assert secrets.whence(path, path) == "from --secret-file"
+    assert secrets.whence(None, secrets.default_path()) == "the per-user default"
+    assert secrets.whence(None, None) == ""
+    kw = dict(this="this client", peer="the gateway at tcp://h:1", path=path, source="from --secret-file")
+    mismatch = secrets.advice(A("x", A.MISMATCH), **kw)
+    assert "hold different shared secrets" in mismatch and f"{path} (from --secret-file)" in mismatch
+    mine = secrets.advice(A("x", A.PEER_HAS_NONE), **kw)
+    assert "the gateway at tcp://h:1 has no shared secret" in mine and "--insecure" in mine
+    theirs = secrets.advice(A("x", A.THIS_HAS_NONE), **dict(kw, path=None, source=""))
+    assert "requires a shared secret and this client has none" in theirs
+    assert "could not authenticate" in secrets.advice(A("odd"), **kw)
+
+
+def test_insecure_service_uses_only_a_named_secret(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.delenv(secrets.ENV, raising=False)
+    assert secrets.for_service(None, insecure=True) == (None, None)
+    assert not os.path.exists(secrets.default_path())  # --insecure makes no default
+    named = tmp_path / "named"
+    named.write_text("abc\n")
+    named.chmod(0o600)
+    assert secrets.for_service(str(named), insecure=True) == (b"abc", str(named))
+    secret, path = secrets.for_service(None)  # without --insecure: the default, created
+    assert path == secrets.default_path() and secret

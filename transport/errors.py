@@ -27,12 +27,23 @@ class PoolExhausted(TransportError):
 
 class Refused(ConnectionClosed):
     """The handshake was refused (by the peer, or by this side): a limit, a version, a
-    backend mismatch. The message says why; nothing was set up."""
+    backend mismatch. The message says why; nothing was set up. ``peer``: the URL refused,
+    where a caller that knows it filled it in."""
+
+    peer: Optional[str] = None
 
 
 class AuthenticationError(Refused):
     """The peer could not prove the shared secret, or one side has a secret and the other
-    none (authentication is mutual: see transport/handshake.py)."""
+    none (authentication is mutual: see transport/handshake.py). ``why``, from this side's
+    point of view: MISMATCH (both have one, they differ), PEER_HAS_NONE (only this side
+    has one), THIS_HAS_NONE (only the peer has one), or None (not known)."""
+
+    MISMATCH, PEER_HAS_NONE, THIS_HAS_NONE = "mismatch", "peer_has_none", "this_has_none"
+
+    def __init__(self, message: str = "", why: Optional[str] = None):
+        super().__init__(message)
+        self.why = why
 
 
 class AcceptFailed(ConnectionClosed):

@@ -193,9 +193,13 @@ class HelloExchange:
         self._out.clear()
         return out
 
-    def refuse(self, reason: str, code: str = "refused") -> None:
-        """Prepare a REFUSED frame for the peer (best effort: the caller sends it)."""
-        self.refusal = _frame({"refused": reason[:500], "code": code})
+    def refuse(self, reason: str, code: str = "refused", why: Optional[str] = None) -> None:
+        """Prepare a REFUSED frame for the peer (best effort: the caller sends it); ``why``:
+        an authentication failure's kind, from this side's point of view."""
+        body = {"refused": reason[:500], "code": code}
+        if why is not None:
+            body["why"] = why
+        self.refusal = _frame(body)
 
     def receive(self, data: bytes) -> None:
         if len(data) != self.need:
@@ -216,10 +220,7 @@ class HelloExchange:
             return
         body = framing.decode_hello(data)
         if "refused" in body:
-            reason = str(body.get("refused"))[:500]
-            if body.get("code") == "auth":
-                raise AuthenticationError(f"peer refused the connection: {reason}")
-            raise Refused(f"peer refused the connection: {reason}")
+            raise refusal_error(body)
         if state == "hello-body":
             self._theirs = self._prefix + data
             self._on_hello(body)
@@ -229,7 +230,7 @@ class HelloExchange:
             raise AssertionError(state)
 
     def _fail(self, exc: Exception, code: str = "refused") -> Exception:
-        self.refuse(str(exc), code)
+        self.refuse(str(exc), code, getattr(exc, "why", None))
         return exc
 
     def _on_hello(self, peer: dict) -> None:
@@ -258,12 +259,9 @@ class HelloExchange:
         except ProtocolError as e:
             raise self._fail(e) from None
         if self.secret is not None and auth is None:
-            raise self._fail(AuthenticationError(
-                "peer has no shared secret and this side requires one"), "auth")
+            raise self._fail(auth_error(AuthenticationError.PEER_HAS_NONE), "auth")
         if self.secret is None and auth is not None:
-            raise self._fail(AuthenticationError(
-                "peer requires a shared secret and this side has none (--secret-file or MOE_SECRET_FILE)"),
-                "auth")
+            raise self._fail(auth_error(AuthenticationError.THIS_HAS_NONE), "auth")
         self.peer = peer
         self.shared_caps = shared
         # the second frame says "accepted" (with our proof when there is a secret); nobody is
@@ -283,9 +281,39 @@ class HelloExchange:
             if "auth" not in body or got is not None:
                 raise self._fail(ProtocolError("expected the peer's plain acceptance"))
         elif type(got) is not bytes or not hmac.compare_digest(got, self._expect):
-            raise self._fail(AuthenticationError("peer failed to prove the shared secret"), "auth")
+            raise self._fail(auth_error(AuthenticationError.MISMATCH), "auth")
         self.authenticated = self._expect is not None
         self.state, self.need = "done", 0
+
+
+# -- authentication failures, told from this side --------------------------------------------
+_AUTH_TEXT = {
+    AuthenticationError.MISMATCH: "the peer holds a different shared secret (its proof does not match this side's)",
+    AuthenticationError.PEER_HAS_NONE: "the peer has no shared secret and this side has one (authentication is "
+                                       "mutual: both ends need the same secret, or neither)",
+    AuthenticationError.THIS_HAS_NONE: "the peer requires a shared secret and this side has none "
+                                       "(--secret-file or MOE_SECRET_FILE)",
+}
+#: a refusal's ``why`` is the refusing side's view: the same failure seen from here
+_SEEN_FROM_HERE = {AuthenticationError.MISMATCH: AuthenticationError.MISMATCH,
+                   AuthenticationError.PEER_HAS_NONE: AuthenticationError.THIS_HAS_NONE,
+                   AuthenticationError.THIS_HAS_NONE: AuthenticationError.PEER_HAS_NONE}
+
+
+def auth_error(why: str) -> AuthenticationError:
+    return AuthenticationError(_AUTH_TEXT[why], why)
+
+
+def refusal_error(body: dict) -> Refused:
+    """The error a peer's REFUSED frame means here (an authentication failure said from
+    this side's point of view when the peer says which kind it was)."""
+    reason = str(body.get("refused"))[:500]
+    if body.get("code") != "auth":
+        return Refused(f"peer refused the connection: {reason}")
+    why = _SEEN_FROM_HERE.get(body.get("why"))  # type: ignore[arg-type]
+    if why is None:  # a peer that does not say which kind
+        return AuthenticationError(f"peer refused the connection: {reason}")
+    return AuthenticationError(f"peer refused the connection: {_AUTH_TEXT[why]}", why)
 
 
 # -- I/O for handshake generators ----------------------------------------------------------
@@ -358,8 +386,7 @@ def _raise_refusal(sock: socket.socket) -> None:
     except ProtocolError:
         return
     if kind == Kind.HELLO and "refused" in body:
-        reason = f"peer refused the connection: {str(body.get('refused'))[:500]}"
-        raise (AuthenticationError if body.get("code") == "auth" else Refused)(reason)
+        raise refusal_error(body)
 
 
 def frame_exchange(sock: socket.socket, ours: dict, validate: Callable[[dict], dict]) -> HandshakeGen:

@@ -34,6 +34,7 @@ from ..errors import (AcceptFailed, AuthenticationError, ConnectionClosed, Proto
                       TransportError)
 from ..poller import Poller
 from ..timing import SPIN_SLEEP_MIN
+from .backoff import Backoff, RateLimit
 from .wake import WakePipe
 
 log = logging.getLogger("moe.serve")
@@ -47,7 +48,8 @@ MAX_OUTBOX = 64  # replies held for one connection that cannot take them now
 OUTBOX_TIMEOUT = 10.0  # the oldest held reply's age at which its connection is dropped
 OUTBOX_RETRY = 0.005  # how often held replies are retried (shm returns credits without a wake-up)
 ACCEPT_BACKOFF = (0.05, 1.0)  # first and longest pause of a listener out of file descriptors
-LOG_INTERVAL = 10.0  # rate of repeated warnings (accept failures)
+LOG_INTERVAL = 10.0  # rate of repeated warnings (accept failures, refused handshakes)
+REFUSAL_LOG_BURST = 5  # refused handshakes logged one by one per LOG_INTERVAL; the rest are counted
 _OUT_OF_FDS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
@@ -100,7 +102,8 @@ class _Site:
     pending: set = field(default_factory=set)
     served: set = field(default_factory=set)
     paused_until: float = 0.0  # accept back-off (out of file descriptors)
-    backoff: float = 0.0
+    backoff: Backoff = field(default_factory=lambda: Backoff(*ACCEPT_BACKOFF))
+    refusals: RateLimit = field(default_factory=lambda: RateLimit(REFUSAL_LOG_BURST, LOG_INTERVAL))
     watching: bool = True
     failures: int = 0  # accept failures since the last log line
     logged_at: float = 0.0
@@ -473,7 +476,7 @@ class ServeLoop:
                 return
             if p is None:
                 return
-            site.backoff = 0.0
+            site.backoff.reset()
             if len(site.pending) + len(site.served) >= site.max_connections:
                 self.stats.refused_cap += 1
                 _refuse(p, f"the server is at its connection limit ({site.max_connections})")
@@ -490,36 +493,32 @@ class ServeLoop:
         if e.errno in _OUT_OF_FDS:
             # the connection stays in the kernel's queue, so the listener stays readable: stop
             # looking at it for a while instead of spinning on it
-            site.backoff = min(ACCEPT_BACKOFF[1], max(ACCEPT_BACKOFF[0], site.backoff * 2))
-            site.paused_until = now + site.backoff
+            site.paused_until = now + site.backoff.next()
             if site.watching:
                 self._poller.unregister(site.listener)
                 site.watching = False
             self.stats.accept_backoffs += 1
         if now - site.logged_at >= LOG_INTERVAL:
             log.warning("%s: %s (%d accept failures since the last report; backing off %.2f s)",
-                        site.name, e, site.failures, site.backoff)
+                        site.name, e, site.failures, max(0.0, site.paused_until - now))
             site.logged_at, site.failures = now, 0
 
     def _step(self, site: _Site, p) -> None:
         try:
             conn = p.step()
-        except AuthenticationError as e:
-            self.stats.refused_auth += 1
-            self._pending_failed(site, p, e)
-            return
-        except Refused as e:
-            self.stats.refused_other += 1
-            self._pending_failed(site, p, e)
-            return
-        except ProtocolError as e:
+        except Refused as e:  # a secret that does not match, a limit, a version: a WARNING (rate-limited)
+            if isinstance(e, AuthenticationError):
+                self.stats.refused_auth += 1
+            else:
+                self.stats.refused_other += 1
+            allowed, skipped = site.refusals.take(time.monotonic())
+            if allowed:
+                log.warning("%s: refused the handshake of %s: %s%s", site.name, p.peer, e,
+                            f" ({skipped} more refused since the last report)" if skipped else "")
+            return self._pending_failed(site, p, e, logged=True)
+        except TransportError as e:  # garbage (ProtocolError) or a broken peer
             self.stats.bad_handshakes += 1
-            self._pending_failed(site, p, e)
-            return
-        except TransportError as e:
-            self.stats.bad_handshakes += 1
-            self._pending_failed(site, p, e)
-            return
+            return self._pending_failed(site, p, e)
         if conn is None:
             if p.events == hs.WRITE:
                 self._poller.modify(p, write=True)
@@ -540,8 +539,9 @@ class ServeLoop:
         if conn.pending():  # messages that came with the handshake: the fd may stay quiet
             self._serve(conn, served)
 
-    def _pending_failed(self, site: _Site, p, e: Exception) -> None:
-        log.info("%s: handshake with %s failed: %s", site.name, p.peer, e)
+    def _pending_failed(self, site: _Site, p, e: Exception, logged: bool = False) -> None:
+        if not logged:
+            log.info("%s: handshake with %s failed: %s", site.name, p.peer, e)
         self._poller.unregister(p)
         site.pending.discard(p)
         self.stats.pending -= 1

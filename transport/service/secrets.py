@@ -76,14 +76,49 @@ def for_client(secret, secret_file: Optional[str] = None) -> Optional[bytes]:
     return secret
 
 
-def for_service(secret_file: Optional[str] = None) -> tuple[bytes, str]:
-    """A service's secret: ``secret_file``, else $MOE_SECRET_FILE, else the per-user default,
-    created if none exists yet (so a gateway, its workers and its local clients share one).
-    OSError when there is none and the default cannot be made (no writable home)."""
+def for_service(secret_file: Optional[str] = None, *, insecure: bool = False
+                ) -> tuple[Optional[bytes], Optional[str]]:
+    """A service's secret and its file: ``secret_file``, else $MOE_SECRET_FILE, else the
+    per-user default, created if none exists yet (so a gateway, its workers and its local
+    clients share one). ``insecure`` (--insecure): never the default, so (None, None) when
+    neither names a file. OSError when there is none and the default cannot be made (no
+    writable home)."""
     secret, path = resolve(secret_file, use_default=False)
-    if secret is None:
+    if secret is None and not insecure:
         return create_default()
     return secret, path
+
+
+def whence(secret_file: Optional[str], path: Optional[str]) -> str:
+    """Where the secret file ``path`` came from, for a message: the flag, the environment
+    variable, or the per-user default ("" when there is no file)."""
+    if path is None:
+        return ""
+    if secret_file:
+        return "from --secret-file"
+    if os.environ.get(ENV) and os.path.abspath(os.environ[ENV]) == os.path.abspath(path):
+        return f"from ${ENV}"
+    return "the per-user default"
+
+
+def advice(e: Exception, *, this: str, peer: str, path: Optional[str], source: str) -> str:
+    """One line for an authentication failure between ``this`` side (which used the secret
+    file ``path``, ``source`` saying whence) and ``peer``: which side has which secret, and
+    how to match them."""
+    from transport.errors import AuthenticationError as A
+
+    mine = (f"{path} ({source})" if source else path) if path else "no secret file"
+    why = getattr(e, "why", None)
+    if why == A.MISMATCH:
+        return (f"{peer} and {this} hold different shared secrets ({this} used {mine}): give both the same "
+                f"file (--secret-file PATH or MOE_SECRET_FILE)")
+    if why == A.PEER_HAS_NONE:
+        return (f"{peer} has no shared secret (started with --insecure?) but {this} has one, {mine}: give "
+                f"{peer} --secret-file {path}, or run every side with --insecure on a trusted network")
+    if why == A.THIS_HAS_NONE:
+        return (f"{peer} requires a shared secret and {this} has none: give {this} --secret-file PATH with "
+                f"the file {peer} uses, or start {peer} with --insecure too")
+    return f"{this} ({mine}) could not authenticate with {peer}: {e}"
 
 
 def create_default() -> tuple[bytes, str]:
