@@ -29,7 +29,6 @@ Progress goes to stderr, the report to stdout, ``--json`` holds everything with 
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import itertools
 import os
@@ -1061,46 +1060,7 @@ def plot(doc: dict, path: str) -> Optional[str]:
 
 
 # -- command line --------------------------------------------------------------------------------
-def _pair(text: str) -> tuple[float, float]:
-    lo, _, hi = text.partition(",")
-    return float(lo), float(hi or lo)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", action="append", choices=["tcp", "shm"], help="repeatable (default: tcp and shm)")
-    p.add_argument("--replicas", action="append", type=int, choices=[1, 2],
-                   help="copies of each expert, repeatable (default: 1 and 2)")
-    p.add_argument("--workers", action="append", choices=["external", "local"],
-                   help="external (restarted by this tool on the same URL) or the gateway's local workers "
-                        "(respawned by it); repeatable (default: external)")
-    p.add_argument("--duration", type=float, default=180.0, help="seconds of chaos per configuration")
-    p.add_argument("--warmup", type=float, default=10.0, help="seconds of load before the baseline")
-    p.add_argument("--clients", type=int, default=2, help="steady well-behaved clients")
-    p.add_argument("--pace", type=float, default=0.005, help="a steady client's pause between requests, s")
-    p.add_argument("--deadline", type=float, default=15.0, help="a request unanswered this long is lost, s")
-    p.add_argument("--worker-timeout", type=float, default=3.0, help="the gateway's --worker-timeout, s")
-    p.add_argument("--gap", type=_pair, default=(0.5, 2.0), help="pause between chaos actions: LO,HI seconds")
-    p.add_argument("--down", type=_pair, default=(0.5, 2.0), help="how long a victim stays down: LO,HI seconds")
-    p.add_argument("--stop-fraction", type=float, default=0.25, help="share of actions that are SIGSTOP")
-    p.add_argument("--max-connections", type=int, default=2048, help="the gateway's connection cap")
-    p.add_argument("--idle-timeout", type=float, default=60.0, help="the gateway's idle timeout, s")
-    p.add_argument("--hostile-idle", type=int, default=1000, help="idle connections in the p99 comparison")
-    p.add_argument("--hostile-half", type=int, default=100, help="half-open handshakes in the p99 comparison")
-    p.add_argument("--p99-seconds", type=float, default=10.0, help="each p99 window, s")
-    p.add_argument("--bg-idle", type=int, default=50, help="idle connections during the chaos")
-    p.add_argument("--bg-half", type=int, default=20, help="half-open handshakes during the chaos")
-    p.add_argument("--bg-nonreaders", type=int, default=2, help="clients that never read, during the chaos")
-    p.add_argument("--bg-garbage", type=int, default=4, help="connections sending garbage, during the chaos")
-    p.add_argument("--updates", action="store_true",
-                   help="also run hot updates at random (start, advance, finish, rollback) while workers are "
-                        "killed and stopped; every answer is checked against the versions it names")
-    p.add_argument("--update-gap", type=_pair, default=(0.5, 2.0),
-                   help="with --updates: pause between update commands, LO,HI seconds")
-    p.add_argument("--seed", type=int, default=0, help="layer weights, tokens and the chaos schedule")
-    p.add_argument("--secret-file", default=None, help="shared secret (default: a fresh 0600 temporary file)")
-    p.add_argument("--log-dir", default=None, help="write the services' stderr here (default: discard)")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the full report as JSON")
-    p.add_argument("--plot", default=None, metavar="PATH", help="a timeline per configuration (PNG)")
+from bench.chaos_cli import add_arguments, configurations, plan, validate  # noqa: E402,F401 (the interface)
 
 
 def run(args) -> int:
@@ -1108,6 +1068,7 @@ def run(args) -> int:
 
     from bench.provenance import provenance, write_json_atomic
 
+    log(plan(args))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the crowd holds ~1100 connections
     if args.log_dir:
@@ -1134,18 +1095,16 @@ def run(args) -> int:
         "layer": {"d_model": D_MODEL, "d_ff": D_FF, "n_experts": N_EXPERTS, "top_k": TOP_K,
                   "max_batch_tokens": MAX_BATCH}}, "configs": []}
     try:
-        for backend in args.backend or ["tcp", "shm"]:
-            for replicas in args.replicas or [1, 2]:
-                for kind in args.workers or ["external"]:
-                    try:
-                        r = Run(args, backend, replicas, kind, secret, args.secret_file, layer).execute()
-                    except Exception as e:
-                        log(f"{backend} r{replicas} {kind} failed: {type(e).__name__}: {e}")
-                        r = {"name": f"{backend} r{replicas} {kind}", "backend": backend, "replicas": replicas,
-                             "workers": kind, "error": f"{type(e).__name__}: {e}"}
-                    doc["configs"].append(r)
-                    if args.json:  # after each configuration: a long run interrupted keeps what it measured
-                        write_json_atomic(args.json, doc)
+        for backend, replicas, kind in configurations(args):
+            try:
+                r = Run(args, backend, replicas, kind, secret, args.secret_file, layer).execute()
+            except Exception as e:
+                log(f"{backend} r{replicas} {kind} failed: {type(e).__name__}: {e}")
+                r = {"name": f"{backend} r{replicas} {kind}", "backend": backend, "replicas": replicas,
+                     "workers": kind, "error": f"{type(e).__name__}: {e}"}
+            doc["configs"].append(r)
+            if args.json:  # after each configuration: a long run interrupted keeps what it measured
+                write_json_atomic(args.json, doc)
     finally:
         if tmpdir:
             os.unlink(args.secret_file)

@@ -86,109 +86,7 @@ class ConfigError(Exception):
     """The flags contradict each other or the running gateway: refused before any load."""
 
 
-def _positive(s: str) -> float:
-    v = float(s)
-    if not v > 0 or math.isinf(v):
-        raise argparse.ArgumentTypeError(f"a positive finite number, got {s}")
-    return v
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", default=None, choices=["fixed-rate", "ramp", "mixed"],
-                   help="fixed-rate: one rate; ramp: steps up to saturation; mixed: bursty arrivals and mixed "
-                        "lengths (default fixed-rate; ramp with --sweep/--compare)")
-    p.add_argument("--rate", type=_positive, default=5.0, help="target requests/s (ramp: the last step's); default 5")
-    p.add_argument("--arrival", default=None, choices=["constant", "poisson", "gamma"],
-                   help="gap distribution (default constant; gamma in mixed mode or with --burstiness/--arrival-cv)")
-    bursty = p.add_mutually_exclusive_group()
-    bursty.add_argument("--burstiness", type=_positive, default=None,
-                        help="gamma arrivals' shape, vLLM's meaning: 1 is Poisson, lower is burstier, higher more "
-                             f"regular (gaps' CV = 1/sqrt(burstiness)); default 1, mixed mode {MIXED_BURSTINESS:g}")
-    bursty.add_argument("--arrival-cv", type=_positive, default=None, metavar="CV",
-                        help="gamma arrivals by the gaps' coefficient of variation instead (burstiness = 1/CV^2): "
-                             "1 is Poisson, higher is burstier")
-    p.add_argument("--duration", type=_positive, default=10.0, help="seconds of measured load (ramp: all steps); default 10")
-    p.add_argument("--max-requests", type=int, default=0, help="stop after N measured requests (default 0: no cap)")
-    p.add_argument("--concurrency", type=int, default=4, help="client threads, the concurrency limit (default 4)")
-    p.add_argument("--warmup", type=float, default=1.0, help="seconds of unrecorded load first (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="schedule, lengths, tokens and weights (default 0)")
-    p.add_argument("--ramp-start", type=_positive, default=None, help="first step's requests/s (default rate/steps)")
-    p.add_argument("--ramp-steps", type=int, default=5, help="number of ramp steps (default 5)")
-    p.add_argument("--step-duration", type=_positive, default=None, help="seconds per ramp step (default duration/steps)")
-    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT SLO, ms: the ramp's knee and goodput (default 100)")
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0,
-                   help="TTFT SLO, ms: goodput counts requests within both SLOs (default 2000)")
-    p.add_argument("--timeout", type=float, default=30.0, help="per forward pass, seconds (default 30)")
-    tgt = p.add_argument_group("systems")
-    tgt.add_argument("--systems", default="moe-transport",
-                     help="comma-separated: moe-transport, reference, multiprocessing, ray, or all (default moe-transport)")
-    tgt.add_argument("--gateway", metavar="URL",
-                     help="moe-transport: a running moe-gateway; its configuration (d_model, dtype, experts, top-k, "
-                          "router) is asked first and used; flags that contradict it are refused")
-    tgt.add_argument("--backend", action="append", choices=["shm", "tcp", "rdma"],
-                     help="moe-transport without --gateway: start one with local workers on this "
-                          "backend (repeatable; default shm)")
-    tgt.add_argument("--local-workers", type=int, default=None,
-                     help="worker processes: the started gateway's local workers, and the multiprocessing peer's "
-                          f"(default {STARTED_DEFAULTS['local_workers']})")
-    tgt.add_argument("--n-experts", type=int, default=None, help=f"default {LAYER_DEFAULTS['n_experts']} (--gateway: its own)")
-    tgt.add_argument("--top-k", type=int, default=None, help=f"default {LAYER_DEFAULTS['top_k']} (--gateway: its own)")
-    tgt.add_argument("--capacity-factor", type=float, default=None, help="router capacity factor (default none)")
-    tgt.add_argument("--d-model", type=int, default=None,
-                     help=f"default {DEMO['d_model']} (--full {FULL['d_model']}; --gateway: its own)")
-    tgt.add_argument("--d-ff", type=int, default=None,
-                     help=f"default {DEMO['d_ff']} (--full {FULL['d_ff']}; --gateway: its workers')")
-    tgt.add_argument("--dtype", default=None, choices=["float32", "float64"],
-                     help="activations' dtype (default float32; --gateway: its own); the peers compute in float32 only")
-    tgt.add_argument("--max-wait-ms", type=float, default=None,
-                     help=f"the started gateway's batching wait, ms (default {STARTED_DEFAULTS['max_wait_ms']:g})")
-    tgt.add_argument("--max-inflight-rounds", type=int, default=None,
-                     help=f"the started gateway's rounds out at once (default {STARTED_DEFAULTS['max_inflight_rounds']})")
-    tgt.add_argument("--max-batch-tokens", type=int, default=None,
-                     help="the started gateway's tokens per round (default: every client's prefill at once, >= 256)")
-    tgt.add_argument("--full", action="store_true", help="d_model 1024, d_ff 2048, prefill 256, decode 32")
-    gw = p.add_argument_group("the started gateway's routing and policies (moe-gateway's flags of the same names)")
-    gw.add_argument("--replicas", type=int, default=None, help="copies of each expert over the local workers (default 1)")
-    gw.add_argument("--overflow", default=None, choices=["drop", "spill"],
-                    help="over capacity: drop the assignment or spill it to the next-best expert (default drop)")
-    gw.add_argument("--gate-bias", default=None, metavar="FLOATS", help="comma-separated per-expert gate bias")
-    gw.add_argument("--noisy", action="store_true", default=None, help="noisy top-k gating")
-    gw.add_argument("--noise-std", type=float, default=None, help="noisy top-k: noise scale (default 1)")
-    gw.add_argument("--batching", default=None, choices=["fifo", "expert-aware"],
-                    help="which queued requests a round takes (default fifo)")
-    gw.add_argument("--balancing", default=None, choices=["load-aware", "least-loaded"],
-                    help="replica choice for replicated experts (default load-aware)")
-    gw.add_argument("--chunk-rows", default=None, type=chunk_rows_flag, metavar="auto|off|ROWS",
-                    help="pipelined rounds: at most this many rows per message to a worker (default auto)")
-    ex = p.add_argument_group("experiments: several started gateways, each a ramp to its knee, one report")
-    ex.add_argument("--sweep", default=None, metavar="KEY=V1,V2,...",
-                    help="one ramp per value of n_experts, top_k or d_model, e.g. n_experts=8,16,32: a table of "
-                         "tokens/s at each knee with mean and p99 latency, and (--plot) a figure")
-    ex.add_argument("--compare", action="append", default=None, metavar="KEY=V1,V2,...",
-                    help="one ramp per variant, each against the first: batching=fifo,expert-aware, "
-                         "balancing=load-aware,least-loaded, max_inflight_rounds=1,2 (rounds in flight), "
-                         "chunk_rows=off,auto (pipelined rounds); repeatable, "
-                         "each axis varied alone")
-    ex.add_argument("--repeat", type=int, default=1, metavar="N",
-                    help="measure every point N times, interleaved, and report medians and the spread (default 1)")
-    req = p.add_argument_group("requests")
-    req.add_argument("--prefill", type=int, default=None, help=f"prompt tokens (default {DEMO['prefill']})")
-    req.add_argument("--decode", type=int, default=None, help=f"decode steps (default {DEMO['decode']})")
-    sc = p.add_argument_group("routing scenario")
-    from bench.scenarios import SCENARIOS
-    sc.add_argument("--scenario", default="uniform", choices=SCENARIOS, help="expert popularity (default uniform)")
-    sc.add_argument("--zipf-s", type=float, default=1.2, help="zipf, drift: the exponent (default 1.2)")
-    sc.add_argument("--hot-expert", type=int, default=0, help="hot: the hot expert (default 0)")
-    sc.add_argument("--hot-share", type=float, default=0.5, help="hot: share of first choices (default 0.5)")
-    sc.add_argument("--drift-period", type=float, default=5.0, help="drift: seconds per rank rotation (default 5)")
-    sc.add_argument("--bank", type=int, default=256, help="steered tokens per expert (default 256)")
-    out = p.add_argument_group("output")
-    out.add_argument("--json", metavar="PATH", help="write the results, with provenance, as JSON")
-    out.add_argument("--markdown", metavar="PATH", help="write the report (what stdout shows) here too")
-    out.add_argument("--plot", metavar="PATH", help="PNG: latency vs throughput (ramp) or CDFs, expert load "
-                                                     "over time, LRU cache hit rate")
-    out.add_argument("--progress", default="auto", choices=["auto", "rich", "plain", "none"],
-                     help="progress on stderr (default auto: rich on a terminal, else plain lines)")
+from bench.load_cli import add_arguments, validate  # noqa: E402,F401  (the subcommand's interface)
 
 
 # -- percentiles -----------------------------------------------------------------------
@@ -502,6 +400,10 @@ def _shm_entries() -> set:
 def _resolve(args) -> None:
     """Defaults, the arrival process, and the plan of systems; ConfigError on flags that
     contradict each other."""
+    if getattr(args, "resolved", False):  # bench.cli validated these flags already
+        return
+    from bench.load_cli import seconds_to_ms
+    seconds_to_ms(args)
     base = FULL if args.full else DEMO
     args.explicit = {k for k in ("d_model", "d_ff", "n_experts", "top_k", "dtype", "capacity_factor",
                                  "local_workers", "max_wait_ms", "max_inflight_rounds", "max_batch_tokens", "backend",
@@ -565,6 +467,7 @@ def _resolve(args) -> None:
         backends = [scheme]
     args.plan = sorted([("moe-transport", b) for b in backends if "moe-transport" in names]
                        + [(n, None) for n in names if n != "moe-transport"], key=lambda nb: ORDER[nb[0]])
+    args.resolved = True
 
 
 def _points(args) -> list[dict]:

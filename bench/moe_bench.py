@@ -38,24 +38,28 @@ QUICK = dict(d_model=256, d_ff=512, batch=128)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from transport.service import options
+
     p.add_argument("--backend", action="append", choices=["shm", "tcp", "rdma"], help="repeatable; default shm and tcp")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
-    p.add_argument("--batches", type=int, default=6, help="batches per system per round")
-    p.add_argument("--n-experts", type=int, default=8, help="routed experts in the layer (default 8)")
-    p.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
-    p.add_argument("--local-workers", type=int, default=2,
-                   help="worker processes it starts for ours and for the multiprocessing peer (default 2)")
-    p.add_argument("--d-model", type=int, help="model width (default 1024; --quick 256)")
-    p.add_argument("--d-ff", type=int, help="expert hidden width (default 2048; --quick 512)")
-    p.add_argument("--batch", type=int, action="append",
+    p.add_argument("--rounds", type=options.positive, default=3,
+                   help="interleaved rounds: each times every system's --batches once, in turn")
+    p.add_argument("--batches", type=options.positive, default=6,
+                   help="batches each system forwards per round (the timed forwards: rounds x batches)")
+    p.add_argument("--n-experts", type=options.positive, default=8, help="routed experts in the layer")
+    p.add_argument("--top-k", type=options.positive, default=2, help="experts per token")
+    p.add_argument("--local-workers", type=options.positive, default=2,
+                   help="worker processes it starts for ours and for the multiprocessing peer")
+    p.add_argument("--d-model", type=options.positive, help="model width (default 1024; --quick 256)")
+    p.add_argument("--d-ff", type=options.positive, help="expert hidden width (default 2048; --quick 512)")
+    p.add_argument("--batch", type=options.positive, action="append", metavar="TOKENS",
                    help="tokens per batch (default 256; --quick 128); repeat it to run each size in turn, on "
-                        "fresh processes, and end with the chunked rounds' figures by size (bench/moe_sweep.py)")
-    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                        "fresh processes, and end with the chunked rounds' figures by size")
+    p.add_argument("--repeat", type=options.positive, default=1, metavar="N",
                    help="run each batch size N times, each on fresh worker processes; the summary gives the "
-                        "medians and ranges (default 1)")
+                        "medians and ranges")
     p.add_argument("--plot", metavar="PATH", help="PNG: the chunked rounds' gain, its bound and the share of it "
                                                   "realized, by batch size")
-    p.add_argument("--seed", type=int, default=0, help="router and expert weights (default 0)")
+    p.add_argument("--seed", type=options.count, default=0, help="router and expert weights")
     p.add_argument("--quick", action="store_true", help="small dims for a smoke run")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--chunk-rows", default="auto", type=chunk_rows_flag, metavar="auto|off|ROWS",
@@ -65,15 +69,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time whole parts against themselves (moe-transport+control: the whole-part "
                         "system's twin, parts whole too): the share of the bound that timing alone gives, "
                         "the noise under the chunked figure")
-    p.add_argument("--warmup-forwards", type=int, default=None, metavar="N",
+    p.add_argument("--warmup-forwards", type=options.count, default=None, metavar="N",
                    help="untimed forwards per system before the timed rounds (default: as many as auto's "
-                        "chunk choice takes to measure both ways, gateway/chunking.py)")
+                        "chunk choice takes to measure both ways)")
     p.add_argument("--compute", choices=["numpy", "torch"], default=None,
-                   help="torch: the expert-kernel benchmark (bench/moe_kernels.py): ours with this kernel beside "
-                        "the kernel called directly, the in-process torch layer, multiprocessing with the same "
-                        "kernel and ours with numpy fp32")
+                   help="torch: the expert-kernel benchmark: ours with this kernel beside the kernel called "
+                        "directly, the in-process torch layer, multiprocessing with the same kernel and ours "
+                        "with numpy fp32")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="activation dtype on the wire for --compute (default bfloat16)")
+
+
+def validate(args: argparse.Namespace) -> None:
+    from transport.service.options import UsageError
+
+    if (args.compute is not None or args.dtype is not None) and (args.repeat != 1 or args.plot):
+        raise UsageError("--repeat and --plot are for the numpy layer, not --compute")
+    if args.top_k > args.n_experts:
+        raise UsageError(f"--top-k {args.top_k} is more than --n-experts {args.n_experts}")
 
 
 # -- the reference, in a child of its own ------------------------------------------------
@@ -356,13 +369,10 @@ def warm_up(system: Any, forward: Callable[[int], Any], args: argparse.Namespace
 
 
 def run(args: argparse.Namespace) -> int:
+    validate(args)
     if args.compute is not None or args.dtype is not None:
-        if args.repeat != 1 or args.plot:
-            raise SystemExit("moe-bench moe: --repeat and --plot are for the numpy layer, not --compute")
         from bench.moe_kernels import run as run_kernels
         return run_kernels(args)
-    if args.repeat < 1:
-        raise SystemExit(f"moe-bench moe: --repeat must be at least 1, got {args.repeat}")
     from bench.moe_sweep import plot, report, summarize
 
     dims = dict(QUICK if args.quick else FULL)

@@ -52,9 +52,12 @@ def parse_size(s: str) -> int:
 def _sizes(s: str) -> list[int]:
     """Sizes in the order given (the run measures them so), each once."""
     try:
-        return list(dict.fromkeys(parse_size(x) for x in s.split(",") if x.strip()))
+        sizes = list(dict.fromkeys(parse_size(x) for x in s.split(",") if x.strip()))
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"sizes like 64,4K,1M: {e}") from None
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"sizes like 64,4K,1M, got {s!r}")
+    return sizes
 
 
 def _figures(s: str) -> list[str]:
@@ -65,40 +68,59 @@ def _figures(s: str) -> list[str]:
     return [f for f in FIGURES if f in out]
 
 
-def _pin(s: str) -> tuple[int, int]:
-    try:
-        c, srv = (int(x) for x in s.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError("--pin CLIENT_CPU,SERVER_CPU, e.g. 0,1") from None
-    return c, srv
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from transport.service import options
+
     p.add_argument("--backend", action="append", choices=["tcp", "shm", "rdma"],
                    help="repeatable; default tcp and shm")
-    p.add_argument("--sizes", type=_sizes,
+    p.add_argument("--sizes", type=_sizes, metavar="SIZES",
                    help="message sizes in bytes, comma-separated, K/M suffixes: e.g. 64,4K,1M "
                         "(default 64 B .. 16 MiB; --quick: 64,4K,1M)")
-    p.add_argument("--iters", type=int, default=2000,
-                   help="round trips per size up to 64 KiB, scaled down above (at least 20); default 2000, "
-                        "--quick at most 300")
-    p.add_argument("--warmup-iters", type=int, default=None, metavar="N",
+    p.add_argument("--iters", type=options.positive, default=2000,
+                   help="round trips per size up to 64 KiB, scaled down above (at least 20); --quick at most 300")
+    p.add_argument("--warmup-iters", type=options.count, default=None, metavar="N",
                    help="untimed round trips before each size (default: 10%% of its iterations, at least 5); "
                         "a count, where moe-bench load's --warmup is seconds")
-    p.add_argument("--figures", type=_figures, default=list(FIGURES),
+    p.add_argument("--figures", type=_figures, default=list(FIGURES), metavar="descriptor,data",
                    help="descriptor (payload not touched), data (every payload byte written and read), "
-                        "or both (default descriptor,data)")
-    p.add_argument("--stream-count", type=int, default=None, metavar="N",
+                        "or both")
+    p.add_argument("--stream-count", type=options.positive, default=None, metavar="N",
                    help="messages per streaming burst (default: 64 MiB / size, 50 .. 5000)")
-    p.add_argument("--slot-size", type=parse_size, default=None,
+    p.add_argument("--slot-size", type=parse_size, default=None, metavar="BYTES",
                    help="moe-transport's slot size in bytes, i.e. its largest message (default: the largest "
                         "size measured); larger sizes are reported as not carried")
-    p.add_argument("--pin", type=_pin, default=None, metavar="CLIENT,SERVER",
-                   help="pin the timed client to one CPU and every echo server to another (default: no pinning)")
+    p.add_argument("--repeat", type=options.positive, default=None, metavar="N",
+                   help="measure every size N times, interleaved; tables and targets use the median repeat, "
+                        "and a row whose repeats disagree is flagged noisy instead of judged (default: 3 "
+                        "with --quick, else 1)")
+    p.add_argument("--cpus", type=options.cpu_list, default=None, metavar="CLIENT,SERVER",
+                   help="pin the timed client to the first CPU and every echo server to the second "
+                        "(default: no pinning)")
+    options.alias(p, "--pin", "--cpus", type=options.cpu_list)
     p.add_argument("--no-peers", action="store_true", help="measure moe-transport only")
     p.add_argument("--quick", action="store_true", help="a short sweep for smoke runs")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rewritten after every size)")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of latency and bandwidth vs size, both figures")
+
+
+def validate(args: argparse.Namespace) -> None:
+    """--cpus names two CPUs this process may use (args.pin: (client, server) or None);
+    --repeat's default."""
+    from transport.service.options import UsageError
+
+    args.pin = None
+    if args.cpus is not None:
+        if len(args.cpus) != 2:
+            raise UsageError(f"--cpus takes two CPUs, the client's and the echo servers', e.g. 0,1; got "
+                             f"{','.join(map(str, args.cpus))}")
+        have = os.sched_getaffinity(0)
+        bad = [c for c in args.cpus if c not in have]
+        if bad:
+            raise UsageError(f"--cpus {','.join(map(str, bad))}: this process may run on CPUs "
+                             f"{','.join(map(str, sorted(have)))} only")
+        args.pin = (args.cpus[0], args.cpus[1])
+    if args.repeat is None:
+        args.repeat = 3 if args.quick else 1
 
 
 def _iters(size: int, iters: int) -> int:
@@ -292,6 +314,8 @@ def settings_of(args, backends, sizes, iters, figures) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not hasattr(args, "pin"):  # run without bench.cli's validation
+        validate(args)
     backends = args.backend or ["tcp", "shm"]
     sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
     iters = min(args.iters, 300) if args.quick else args.iters

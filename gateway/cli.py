@@ -9,12 +9,13 @@
                 --checkpoint /updates/mixtral-ft --layer 3 --wait
     moe-gateway update --gateway tcp://127.0.0.1:7000 start --experts 3 --new-version 1 --seed 7 --wait
     moe-gateway update --gateway tcp://127.0.0.1:7000 advance       # 1% -> 5% -> 25% -> 50% -> 100%
-    moe-gateway update --gateway tcp://127.0.0.1:7000 finish        # (or rollback)
+    moe-gateway update finish --gateway tcp://127.0.0.1:7000        # (or rollback; flags before or after)
     moe-gateway update --gateway tcp://127.0.0.1:7000 served        # every expert's served version
     moe-gateway update --gateway tcp://127.0.0.1:7000 settle --experts 2 --serve-version 1   # workers disagreed
 
 Prints ``LISTENING <url>`` as its first stdout line. SIGTERM: stop accepting, answer what
-is queued and in flight, stop the local workers, exit 0.
+is queued and in flight, stop the local workers, exit 0. A usage error exits 2, a failure
+at run time 1, each with one line on stderr.
 """
 from __future__ import annotations
 
@@ -29,125 +30,155 @@ from gateway import placement_cli
 from gateway.chunking import chunk_rows_flag
 from transport.service import options
 from transport.service.launch import LISTENING
+from transport.service.options import UsageError
 
 log = logging.getLogger("moe.gateway")
+PROG = "moe-gateway"
+EXAMPLES = options.examples(
+    "moe-gateway --listen tcp://127.0.0.1:7000 --local-workers 2 --backend shm",
+    "moe-gateway --listen tcp://127.0.0.1:7000 --workers tcp://10.0.0.2:5000,tcp://10.0.0.3:5000 \\\n"
+    "      --secret-file /etc/moe/secret",
+    "moe-gateway --listen tcp://127.0.0.1:7000 --checkpoint /models/mixtral --layers 0-31 --compute torch",
+    "moe-gateway update status --gateway tcp://127.0.0.1:7000     (see moe-gateway update --help)")
 
 
-def parse_floats(text: Optional[str]) -> Optional[list[float]]:
-    return None if not text else [float(v) for v in text.split(",") if v.strip()]
+def parse_floats(text) -> Optional[list[float]]:
+    """Comma-separated numbers (an already parsed list passes through)."""
+    if text is None or isinstance(text, list):
+        return text
+    return [float(v) for v in text.split(",") if v.strip()] or None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moe-gateway", formatter_class=options.HelpFormatter,
-                                description="Serve a distributed MoE layer. `moe-gateway update --help` "
-                                            "drives a hot update of a running gateway.")
-    p.add_argument("--listen", default="tcp://127.0.0.1:0", help="client-facing transport URL (port 0: any free one)")
+    p = options.Parser(prog=PROG, epilog=EXAMPLES,
+                       description="Serve a distributed MoE layer over expert workers it starts (--local-workers, "
+                                   "--placement ray) or finds running (--workers). `moe-gateway update --help` "
+                                   "drives a hot update of a running gateway.")
+    p.add_argument("--listen", default="tcp://127.0.0.1:0", type=options.url,
+                   help="client-facing transport URL: tcp://HOST:PORT (port 0: any free one), shm://NAME, "
+                        "rdma://IP:PORT")
     src = p.add_argument_group("workers")
-    src.add_argument("--workers", default=None, metavar="URLS",
+    src.add_argument("--workers", default=None, type=options.url_list,
                      help="comma-separated URLs of running moe-worker daemons (default: start --local-workers)")
     src.add_argument("--placement", default="local", choices=["local", "ray"],
                      help="without --workers, who starts the workers: this gateway (--local-workers) or Ray "
                           "(--ray-*: actors on a Ray cluster, the data plane still ours)")
-    src.add_argument("--local-workers", type=int, default=2, metavar="N",
+    src.add_argument("--local-workers", type=options.positive, default=2, metavar="N",
                      help="without --workers: start, supervise and own N worker processes")
     src.add_argument("--backend", default="shm", choices=["shm", "tcp", "rdma"], help="local workers' transport")
-    src.add_argument("--replicas", type=int, default=1, help="local or Ray workers: copies of each expert")
-    src.add_argument("--worker-threads", type=int, default=1, help="local or Ray workers: BLAS threads each")
-    src.add_argument("--worker-cpus", default=None, type=options.int_list,
-                     help="local or Ray workers: pin worker i to the i-th CPU of this list (modulo), e.g. 0,1")
-    src.add_argument("--rdma-ip", default=os.environ.get("MOE_RDMA_IP", "127.0.0.1"),
-                     help="local workers on rdma: the address to bind (env MOE_RDMA_IP)")
-    src.add_argument("--update-dir", default=None, metavar="DIR",
+    src.add_argument("--replicas", type=options.positive, default=1, help="local or Ray workers: copies of each expert")
+    src.add_argument("--worker-blas-threads", type=options.positive, default=1,
+                     help="local or Ray workers: BLAS threads each (moe-worker --blas-threads)")
+    options.alias(src, "--worker-threads", "--worker-blas-threads", type=options.positive)
+    src.add_argument("--worker-cpus", default=None, type=options.cpu_list,
+                     help="local or Ray workers: pin worker i to the i-th CPU of this list (modulo), e.g. 0,1 "
+                          "(moe-worker --cpus)")
+    src.add_argument("--rdma-ip", default=os.environ.get("MOE_RDMA_IP", "127.0.0.1"), type=options.host,
+                     metavar="IP", help="local workers on rdma: the address to bind (env MOE_RDMA_IP)")
+    src.add_argument("--update-dir", default=None, type=options.existing_dir,
                      help="local workers: the directory hot updates may read weight files from")
     src.add_argument("--worker-metrics", action="store_true",
                      help="local workers: each serves /metrics on a free port of --metrics-addr "
                           "(their 'METRICS <url>' lines go to stderr)")
-    src.add_argument("--worker-timeout", type=float, default=10.0,
-                     help="a worker's part of a round fails after this many seconds (its requests are "
-                          "retried on a replica or fail)")
-    src.add_argument("--update-ack-timeout", type=float, default=30.0,
-                     help="a hot update gives up on a worker that does not acknowledge a load or retire "
-                          "this long (so finishing and rolling back always end), seconds")
-    src.add_argument("--connect-timeout", type=float, default=30.0,
-                     help="how long the first connection to each worker is retried, seconds")
+    src.add_argument("--worker-timeout", type=options.positive_seconds, default=10.0,
+                     help="a worker's part of a round fails after this long (its requests are retried on a "
+                          "replica or fail)")
+    src.add_argument("--update-ack-timeout", type=options.positive_seconds, default=30.0,
+                     help="a hot update gives up on a worker that does not acknowledge a load or retire this "
+                          "long (so finishing and rolling back always end)")
+    src.add_argument("--connect-timeout", type=options.positive_seconds, default=30.0,
+                     help="how long the first connection to each worker is retried")
     ck = p.add_argument_group("checkpoint (a real model's MoE layers)")
-    ck.add_argument("--checkpoint", default=None, metavar="DIR",
+    ck.add_argument("--checkpoint", default=None, type=options.existing_dir,
                     help="serve the MoE layers of this Hugging Face checkpoint: the gateway reads only their "
                          "routers (family routing rules from config.json); workers must read the same "
                          "checkpoint and layers (checked by fingerprint at every connect)")
     ck.add_argument("--layers", default=None, type=options.int_list,
-                    help="with --checkpoint: MoE layers to serve, e.g. 0-23 (default: every MoE layer); each "
-                         "request names its layer")
+                    help="with --checkpoint: MoE layers to serve, e.g. 0-23 (default: every MoE layer); a "
+                         "request names its layer, or gets layer 0, or the one layer served")
     ck.add_argument("--compute", default="numpy", choices=["numpy", "torch"],
                     help="local workers: expert kernel (torch: bf16 where the CPU has bf16 matrix units, "
                          "else float32)")
     ray = p.add_argument_group("Ray placement (--placement ray; pip install 'moe-transport[ray]')")
-    ray.add_argument("--ray-address", default=None,
+    ray.add_argument("--ray-address", default=None, metavar="HOST:PORT",
                      help="the Ray cluster to join (host:port, or auto); default: $RAY_ADDRESS, else Ray's own default")
-    ray.add_argument("--ray-workers-per-node", type=int, default=1,
+    ray.add_argument("--ray-workers-per-node", type=options.positive, default=1,
                      help="workers on every node that can hold them (the gateway's node first)")
-    ray.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="Ray CPUs each worker actor reserves")
+    ray.add_argument("--ray-cpus-per-worker", type=options.positive_number, default=1.0,
+                     help="Ray CPUs each worker actor reserves")
     ray.add_argument("--ray-strategy", default="spread", choices=["spread", "pack"],
                      help="worker i to node: round-robin (a block's replicas on different nodes), or fill a "
                           "node first")
     ray.add_argument("--ray-transport", default="auto", choices=["auto", "tcp", "shm", "rdma"],
                      help="auto: shm on the gateway's own host, rdma where the node has a device, else tcp")
-    ray.add_argument("--ray-start-timeout", type=float, default=120.0,
-                     help="how long every worker actor may take to start, seconds")
-    moe = p.add_argument_group("MoE layer")
-    moe.add_argument("--n-experts", type=int, default=8, help="routed experts in the layer")
-    moe.add_argument("--top-k", type=int, default=2, help="experts per token")
-    moe.add_argument("--d-model", type=int, default=None,
-                     help="model width (default: what the workers serve with --workers, else 256)")
-    moe.add_argument("--d-ff", type=int, default=512, help="local workers: expert hidden width")
-    moe.add_argument("--dtype", default=None, choices=["float32", "float64", "float16", "bfloat16"],
-                     help="activation dtype on the wire (default: the workers' when --d-model is not given "
-                          "either, else float32); bfloat16: 2 bytes a value, combined in float32 at the gateway")
-    moe.add_argument("--seed", type=int, default=0, help="seed of the router and of the local workers' weights")
-    moe.add_argument("--capacity-factor", type=float, default=None,
-                     help="tokens per expert at most: factor x tokens x top_k / experts (default: no limit)")
-    moe.add_argument("--overflow", default="drop", choices=["drop", "spill"],
-                     help="over capacity: drop the assignment, or spill it to the next-best expert")
-    moe.add_argument("--gate-bias", default=None, metavar="FLOATS",
-                     help="comma-separated per-expert gate bias (skewed routing)")
-    moe.add_argument("--noisy", action="store_true", help="noisy top-k gating")
-    moe.add_argument("--noise-std", type=float, default=1.0, help="noisy top-k: noise scale")
-    bat = p.add_argument_group("batching")
-    bat.add_argument("--max-batch-tokens", type=int, default=1024, help="tokens per dispatch round at most")
-    bat.add_argument("--max-wait-ms", type=float, default=1.0,
-                     help="longest a request waits for others to share its round, ms (0: dispatch at once)")
-    bat.add_argument("--max-inflight-rounds", type=int, default=2, help="rounds out at the workers at once")
-    bat.add_argument("--max-batch-requests", type=int, default=256, help="requests per round at most")
-    bat.add_argument("--chunk-rows", type=chunk_rows_flag, default="auto", metavar="auto|off|ROWS",
-                     help="pipelined rounds: a worker's part goes as messages of at most this many rows, cut between "
-                          "expert groups where it can (a cut group is two slower products), so it computes "
-                          "the first while the next is in flight and replies are combined as they land; auto "
-                          "(default) sizes them from each worker's measured per-message cost and compute rate, "
-                          "and sends one message where chunks would not pay (gateway/chunking.py)")
-    bat.add_argument("--reply-spin", default="on", choices=["on", "off"],
-                     help="busy-poll for each worker's last outstanding reply around when its measured costs "
-                          "say it is due, while fewer workers have work than this process has processors: a "
-                          "wake-up from a sleep costs 0.15-0.3 ms in a VM (gateway/reply_clock.py); off: always sleep")
-    bat.add_argument("--no-split", action="store_true", help="never split one expert's tokens over replicas")
-    bat.add_argument("--batching", default="fifo", choices=["fifo", "expert-aware"],
-                     help="which queued requests a round takes: the oldest first, or those sharing the round's "
-                          "experts (the oldest and any waiting --max-wait-ms always go; gateway/batcher.py)")
-    bat.add_argument("--balancing", default="load-aware", choices=["load-aware", "least-loaded"],
-                     help="replicated experts: the replica with the fewest outstanding rows (a big expert split "
-                          "over replicas), or each expert whole to the replica with the least outstanding work "
-                          "in measured seconds (gateway/replicas.py)")
+    ray.add_argument("--ray-start-timeout", type=options.positive_seconds, default=120.0,
+                     help="how long every worker actor may take to start")
+    add_layer_flags(p)
+    add_batching_flags(p)
     srv = p.add_argument_group("service")
-    srv.add_argument("--max-connections", type=int, default=1024, help="client connections at once (more are refused)")
-    srv.add_argument("--idle-timeout", type=float, default=300.0,
-                     help="close a client connection idle this long, seconds (0: never)")
-    srv.add_argument("--threads", type=int, default=1, help="the gateway's own BLAS threads (the gate matmul)")
+    srv.add_argument("--max-connections", type=options.positive, default=1024,
+                     help="client connections at once (more are refused)")
+    srv.add_argument("--idle-timeout", type=options.seconds, default=300.0,
+                     help="close a client connection idle this long (0: never)")
+    srv.add_argument("--blas-threads", type=options.positive, default=1,
+                     help="the gateway's own BLAS threads (its gate matmul)")
+    options.alias(srv, "--threads", "--blas-threads", type=options.positive)
     options.add_security(srv, service=True)
     placement_cli.add_flags(p)
-    options.add_common(p, "moe-gateway")
+    options.add_common(p, PROG)
     from transport.service.metrics import add_flags
 
     add_flags(p)
     return p
+
+
+def add_layer_flags(p: argparse.ArgumentParser) -> None:
+    moe = p.add_argument_group("MoE layer")
+    moe.add_argument("--n-experts", type=options.positive, default=8, help="routed experts in the layer")
+    moe.add_argument("--top-k", type=options.positive, default=2, help="experts per token")
+    moe.add_argument("--d-model", type=options.positive, default=None,
+                     help="model width (default: what the workers serve with --workers, else 256)")
+    moe.add_argument("--d-ff", type=options.positive, default=512, help="local workers: expert hidden width")
+    moe.add_argument("--dtype", default=None, choices=["float32", "float64", "float16", "bfloat16"],
+                     help="activation dtype on the wire (default: the workers' when --d-model is not given "
+                          "either, else float32); bfloat16: 2 bytes a value, combined in float32 at the gateway")
+    moe.add_argument("--seed", type=options.count, default=0, help="seed of the router and of the local workers' weights")
+    moe.add_argument("--capacity-factor", type=options.positive_number, default=None, metavar="FACTOR",
+                     help="tokens per expert at most: factor x tokens x top_k / experts (default: no limit)")
+    moe.add_argument("--overflow", default="drop", choices=["drop", "spill"],
+                     help="over capacity: drop the assignment, or spill it to the next-best expert")
+    moe.add_argument("--gate-bias", default=None, type=options.floats,
+                     help="comma-separated per-expert gate bias, one per expert (skewed routing)")
+    moe.add_argument("--noisy", action="store_true", help="noisy top-k gating")
+    moe.add_argument("--noise-std", type=options.nonnegative, default=1.0, help="noisy top-k: noise scale")
+
+
+def add_batching_flags(p: argparse.ArgumentParser) -> None:
+    bat = p.add_argument_group("batching")
+    bat.add_argument("--max-batch-tokens", type=options.positive, default=1024, help="tokens per dispatch round at most")
+    bat.add_argument("--max-wait", type=options.seconds, default=0.001,
+                     help="longest a request waits for others to share its round (0: dispatch at once)")
+    options.alias(bat, "--max-wait-ms", "--max-wait", type=options.milliseconds_as_seconds)
+    bat.add_argument("--max-inflight-rounds", type=options.positive, default=2, help="rounds out at the workers at once")
+    bat.add_argument("--max-batch-requests", type=options.positive, default=256, help="requests per round at most")
+    bat.add_argument("--chunk-rows", type=chunk_rows_flag, default="auto", metavar="auto|off|ROWS",
+                     help="pipelined rounds: a worker's part goes as messages of at most this many rows, cut between "
+                          "expert groups where it can (a cut group is two slower products), so it computes "
+                          "the first while the next is in flight and replies are combined as they land; auto "
+                          "(the default) sizes them from each worker's measured per-message cost and compute "
+                          "rate, and sends one message where chunks would not pay")
+    bat.add_argument("--reply-spin", default="on", choices=["on", "off"],
+                     help="busy-poll for each worker's last outstanding reply around when its measured costs "
+                          "say it is due, while fewer workers have work than this process has processors (a "
+                          "wake-up from a sleep costs 0.15-0.3 ms in a VM); off: always sleep")
+    bat.add_argument("--no-split", action="store_true", help="never split one expert's tokens over replicas")
+    bat.add_argument("--batching", default="fifo", choices=["fifo", "expert-aware"],
+                     help="which queued requests a round takes: the oldest first, or those sharing the round's "
+                          "experts (the oldest, and any that waited --max-wait, always go)")
+    bat.add_argument("--balancing", default="load-aware", choices=["load-aware", "least-loaded"],
+                     help="replicated experts: the replica with the fewest outstanding rows (a big expert split "
+                          "over replicas), or each expert whole to the replica with the least outstanding work "
+                          "in measured seconds")
 
 
 def make_router(args):
@@ -157,7 +188,7 @@ def make_router(args):
 
     bias = parse_floats(args.gate_bias)
     if bias is not None and len(bias) != args.n_experts:
-        raise ValueError(f"--gate-bias needs {args.n_experts} values, got {len(bias)}")
+        raise UsageError(f"--gate-bias needs {args.n_experts} values (one per expert), got {len(bias)}")
     return Router(args.d_model, args.n_experts, args.top_k, noisy=args.noisy, noise_std=args.noise_std,
                   capacity_factor=args.capacity_factor, overflow=args.overflow, seed=args.seed,
                   bias=None if bias is None else np.asarray(bias, np.float32))
@@ -169,10 +200,11 @@ def checkpoint_layers(args):
 
     layers = load_gateway_layers(args.checkpoint, args.layers)
     if not layers:
-        raise ValueError(f"{args.checkpoint}: no MoE layer to serve")
+        raise UsageError(f"{args.checkpoint}: no MoE layer to serve")
     specs = [gl.spec for gl in layers.values()]
     if args.d_model is not None and args.d_model != specs[0].d_model:
-        raise ValueError(f"--d-model {args.d_model}, but the checkpoint's hidden_size is {specs[0].d_model}")
+        raise UsageError(f"--d-model {args.d_model}, but the checkpoint's hidden_size is {specs[0].d_model}: "
+                         "drop --d-model")
     args.d_model = specs[0].d_model
     return layers
 
@@ -187,7 +219,7 @@ def served_ids(args, layers=None) -> tuple[int, int, int]:
         return args.n_experts, 0, args.top_k
     sizes = {(gl.spec.n_experts, gl.spec.n_shared) for gl in layers.values()}
     if len(sizes) != 1:
-        raise ValueError(f"workers a gateway starts host the same ids in every layer; these layers differ in "
+        raise UsageError(f"workers a gateway starts host the same ids in every layer; these layers differ in "
                          f"experts (routed, shared pieces): {sorted(sizes)}; start workers yourself (--workers)")
     n_experts, n_shared = sizes.pop()
     return n_experts, n_shared, max(slots_per_token(gl.router) for gl in layers.values())
@@ -200,21 +232,24 @@ def local_workers(args, secret_path: Optional[str], layers=None):
     commands = []
     n_experts, n_shared, slots = served_ids(args, layers)
     for i, experts in enumerate(placement(n_experts, args.local_workers, args.replicas, n_shared)):
-        extra = ["--threads", str(args.worker_threads), "--log-level", args.log_level, "--compute", args.compute]
+        extra = ["--blas-threads", str(args.worker_blas_threads), "--log-level", args.log_level,
+                 "--compute", args.compute]
         if layers:
             extra += ["--checkpoint", args.checkpoint, "--layers", ",".join(map(str, sorted(layers)))]
         if cpus:
-            extra += ["--cpu", str(cpus[i % len(cpus)])]
+            extra += ["--cpus", str(cpus[i % len(cpus)])]
         if args.worker_metrics:
             extra += ["--metrics-port", "0", "--metrics-addr", args.metrics_addr]
         if secret_path:
             extra += ["--secret-file", secret_path]
+        if args.insecure:  # as the gateway: no secret but the one named, never the per-user default
+            extra += ["--insecure"]
         if args.update_dir:
             extra += ["--update-dir", args.update_dir]
         commands.append(worker_command(local_listen_url(args.backend, i, args.rdma_ip), experts,
                                        d_model=args.d_model, d_ff=args.d_ff, seed=args.seed, dtype=args.dtype,
                                        max_tokens=args.max_batch_tokens * slots, extra=extra))
-    return LocalWorkers(commands, threads=args.worker_threads)
+    return LocalWorkers(commands, threads=args.worker_blas_threads)
 
 
 PROBE_MAX_PEER_SLOT = 1 << 30  # the probe sends one small INFO; the bound only stops an absurd peer
@@ -225,9 +260,11 @@ def probe_layer(url: str, secret: Optional[bytes], timeout: float) -> dict:
     import time
 
     import transport
+    from transport.service.backoff import Backoff
     from workers import protocol as P
 
     deadline = time.monotonic() + timeout
+    wait = Backoff(0.05, 0.5)
     while True:
         try:
             # the worker's slots are sized for its --max-tokens rows of ITS d_model, which is what
@@ -235,12 +272,13 @@ def probe_layer(url: str, secret: Optional[bytes], timeout: float) -> dict:
             conn = transport.connect(url, slot_size=1 << 16, nslots=2, timeout=min(5.0, timeout), secret=secret,
                                      max_peer_slot_size=PROBE_MAX_PEER_SLOT)
             break
-        except transport.Refused:
+        except transport.Refused as e:
+            e.peer = url
             raise
-        except transport.TransportError:
+        except transport.TransportError as e:
             if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+                raise transport.ConnectionClosed(f"worker {url} did not answer within {timeout:g} s: {e}") from None
+            time.sleep(wait.next())
     try:
         conn.send(P.request(P.INFO, 0), timeout=5.0)
         while True:
@@ -253,28 +291,52 @@ def probe_layer(url: str, secret: Optional[bytes], timeout: float) -> dict:
         conn.close()
 
 
-def serve_main(args) -> int:
-    options.setup_logging(args.log_level, "moe-gateway")
-    from threadpoolctl import threadpool_limits
+def validate(args: argparse.Namespace) -> None:
+    """Flags that contradict each other: UsageError before anything starts."""
+    if args.workers and args.placement == "ray":
+        raise UsageError("--placement ray starts its own workers: give it no --workers")
+    if args.layers and not args.checkpoint:
+        raise UsageError("--layers needs --checkpoint (demo weights are one layer)")
+    if args.checkpoint and args.layers:
+        from workers.cli import check_selection
 
-    from gateway.pool import WorkerPool
-    from gateway.server import GatewayServer, install_signal_handlers
+        check_selection(args.checkpoint, args.layers, None)
+    if not args.checkpoint:
+        if args.top_k > args.n_experts:
+            raise UsageError(f"--top-k {args.top_k} is more than --n-experts {args.n_experts}")
+        bias = parse_floats(args.gate_bias)
+        if bias is not None and len(bias) != args.n_experts:
+            raise UsageError(f"--gate-bias needs {args.n_experts} values (one per expert), got {len(bias)}")
+
+
+def auth_failure(e: Exception, peer: str, secret_path: Optional[str], secret_file: Optional[str]) -> Exception:
+    """A worker refused our secret (or we its): the same error, saying which side has which
+    secret and how to match them."""
     from transport.service import secrets
 
-    limits = threadpool_limits(limits=args.threads)  # noqa: F841 (kept for the process's life)
-    options.raise_fd_limit()
+    from transport import AuthenticationError
+
+    return AuthenticationError(secrets.advice(e, this="this gateway", peer=peer, path=secret_path,
+                                              source=secrets.whence(secret_file, secret_path)),
+                               getattr(e, "why", None))
+
+
+def start(args):
+    """The GatewayServer these flags describe, its workers connected (server.local: the
+    workers it started, if any); everything it started is stopped when it fails."""
+    import transport
+    from gateway.pool import WorkerPool
+    from gateway.server import GatewayServer
+    from transport.service import secrets
+
     local = pool = None
+    # secure by default: without a secret the gateway makes one (0600) that local clients,
+    # the update command and its local workers find; --insecure uses only a named one
+    secret, secret_path = secrets.for_service(args.secret_file, insecure=args.insecure)
+    options.check_exposure(args.listen, secret, args.insecure, PROG)
+    urls = [u.strip() for u in args.workers.split(",") if u.strip()] if args.workers else None
     try:
-        # secure by default: without a secret the gateway makes one (0600) that local clients,
-        # the update command and its local workers find
-        secret, secret_path = secrets.for_service(args.secret_file)
-        options.check_exposure(args.listen, secret, args.insecure, "moe-gateway")
-        urls = [u.strip() for u in args.workers.split(",") if u.strip()] if args.workers else None
-        if urls and args.placement == "ray":
-            raise ValueError("--placement ray starts its own workers: give it no --workers")
         layers = checkpoint_layers(args) if args.checkpoint else None
-        if args.layers and not layers:
-            raise ValueError("--layers needs --checkpoint (demo weights are one layer)")
         # ask the first worker (one extra connection) only what neither the user nor the
         # checkpoint said: the width, and with a checkpoint the workers' wire dtype
         if urls and (args.d_model is None or (layers and args.dtype is None)):
@@ -312,98 +374,145 @@ def serve_main(args) -> int:
             local.on_moved = pool.workers.set_url
             pool.loop.add_tick(local.tick)
         server = GatewayServer(pool, args.listen, max_batch_tokens=args.max_batch_tokens,
-                               max_wait_ms=args.max_wait_ms, max_inflight_rounds=args.max_inflight_rounds,
+                               max_wait_ms=args.max_wait * 1e3, max_inflight_rounds=args.max_inflight_rounds,
                                max_batch_requests=args.max_batch_requests, secret=secret,
                                max_connections=args.max_connections, idle_timeout=args.idle_timeout or None,
                                batching=args.batching)
         server.local = local
-    except SystemExit:
-        raise
-    except Exception as e:
-        print(f"moe-gateway: {e}", file=sys.stderr)
+        return server
+    except BaseException as e:
         if pool is not None:
             pool.close()
         if local is not None:
             local.close()
-        return 2
+        if isinstance(e, transport.AuthenticationError):
+            raise auth_failure(e, f"the worker at {getattr(e, 'peer', None) or 'one of --workers'}", secret_path,
+                               args.secret_file) from None
+        raise
+
+
+def serve_main(args) -> int:
+    options.setup_logging(args.log_level, PROG)
+    from threadpoolctl import threadpool_limits
+
+    from gateway.server import install_signal_handlers
+
+    limits = threadpool_limits(limits=args.blas_threads)  # noqa: F841 (kept for the process's life)
+    options.raise_fd_limit()
+    server = start(args)
     try:
         if args.metrics_port is not None:
             from gateway.metrics import GatewayMetrics
             from transport.service.metrics import serve
 
+            gm = GatewayMetrics(server).attach()
             try:
-                gm = GatewayMetrics(server).attach()
                 serve(gm.registry, args.metrics_port, args.metrics_addr, health=gm.health())
-            except Exception as e:
-                print(f"moe-gateway: metrics: {e}", file=sys.stderr)
-                return 2
+            except OSError as e:
+                raise RuntimeError(f"metrics: cannot serve on {args.metrics_addr}:{args.metrics_port}: "
+                                   f"{e.strerror or e}") from None
         install_signal_handlers(server)
         print(f"{LISTENING} {server.url}", flush=True)
         return server.serve()
     finally:
-        pool.close()
-        if local is not None:
-            local.close()
+        server.pool.close()
+        if server.local is not None:
+            server.local.close()
 
 
 # -- moe-gateway update ----------------------------------------------------------------------
+UPDATE_TIMEOUT = 30.0
+
+
+def _update_globals(p: argparse.ArgumentParser) -> None:
+    """The running gateway's flags, on `update` and on each action: accepted before or after
+    the action (SUPPRESS defaults, so one given before is not reset by the action's parser)."""
+    g = p.add_argument_group("the running gateway (these flags go before or after the action)")
+    g.add_argument("--gateway", type=options.url, default=argparse.SUPPRESS,
+                   help="the gateway's client URL, e.g. tcp://127.0.0.1:7000 (required)")
+    g.add_argument("--timeout", type=options.positive_seconds, default=argparse.SUPPRESS,
+                   help=f"bound on every wait (default: {UPDATE_TIMEOUT:g})")
+    options.add_security(g, service=False, secret_file=argparse.SUPPRESS, insecure=argparse.SUPPRESS)
+
+
 def add_update_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("update", formatter_class=options.HelpFormatter,
-                       help="hot-update experts of a running gateway",
+    ex = "moe-gateway update"
+    p = sub.add_parser("update", help="hot-update experts of a running gateway",
+                       epilog=options.examples(
+                           f"{ex} --gateway tcp://127.0.0.1:7000 start --experts 0-3 --new-version 1 --seed 7 --wait",
+                           f"{ex} --gateway tcp://127.0.0.1:7000 advance",
+                           f"{ex} status --gateway tcp://127.0.0.1:7000"),
                        description="Hot-update experts of a running moe-gateway: load a new version on its "
                                    "workers (they keep serving), shift traffic to it in steps, finish or roll back.")
-    p.add_argument("--gateway", required=True, help="the gateway's client URL")
-    p.add_argument("--timeout", type=float, default=30.0, help="bound on every wait, seconds")
-    options.add_security(p, service=False)
     acts = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    st = acts.add_parser("start", formatter_class=options.HelpFormatter,
-                         help="load the new version everywhere; traffic starts at the first step")
+    # set after add_subparsers, which names the actions' programs from the usage
+    p.usage = f"{ex} --gateway URL [--timeout SECONDS] [--secret-file PATH | --insecure] ACTION [action flags]"
+    st = acts.add_parser("start", help="load the new version everywhere; traffic starts at the first step",
+                         description="Load a new version of some experts on every worker that hosts them; "
+                                     "traffic moves to it at the first step.",
+                         epilog=options.examples(
+                             f"{ex} start --gateway tcp://127.0.0.1:7000 --experts 3 --new-version 1 --seed 7 --wait",
+                             f"{ex} start --gateway tcp://127.0.0.1:7000 --experts 0-7 --new-version 2 \\\n"
+                             "      --checkpoint /updates/mixtral-ft --layer 3 --auto-interval 60"))
     st.add_argument("--experts", required=True, type=options.int_list, help="e.g. 3 or 0-3 or 1,5")
-    st.add_argument("--new-version", dest="version", type=int, required=True, metavar="N",
+    st.add_argument("--new-version", dest="version", type=options.count, required=True, metavar="N",
                     help="the new weights' version number (>= 0)")
     source = st.add_mutually_exclusive_group(required=True)
-    source.add_argument("--weights", help=".npz (SwiGLUExpert.save_many) in the workers' --update-dir")
-    source.add_argument("--seed", type=int, help="demo weights from this seed")
+    source.add_argument("--weights", metavar="NPZ",
+                        help=".npz of expert weights (as SwiGLUExpert.save_many writes) in the workers' --update-dir")
+    source.add_argument("--seed", type=options.count, help="demo weights from this seed")
     source.add_argument("--checkpoint", metavar="DIR",
                         help="a checkpoint directory in the workers' --update-dir: the experts of --layer from "
                              "it (the gateway reads its router and fingerprint; workers check the fingerprint)")
-    st.add_argument("--layer", type=int, default=None, help="the MoE layer to update (default: 0)")
-    st.add_argument("--steps", default=None, help="traffic fractions, default 0.01,0.05,0.25,0.5,1")
-    st.add_argument("--auto-interval", type=float, default=None,
-                    help="advance every S seconds by itself, and finish after the last step")
-    adv = acts.add_parser("advance", help="the next traffic step")
-    adv.add_argument("--fraction", type=float, default=None, help="jump to the first step >= this")
-    fin = acts.add_parser("finish", help="all traffic to the new version; retire the old one")
-    rb = acts.add_parser("rollback", help="all traffic back to the old version; retire the new one")
-    acts.add_parser("status", help="the update's state, fraction, served counts and timeline (JSON)")
+    st.add_argument("--layer", type=options.count, default=None, help="the MoE layer to update (default: 0)")
+    st.add_argument("--steps", default=None, type=options.floats,
+                    help="increasing traffic fractions in (0, 1] (default: 0.01,0.05,0.25,0.5,1)")
+    st.add_argument("--auto-interval", type=options.positive_seconds, default=None,
+                    help="advance every this many seconds by itself, and finish after the last step")
+    adv = acts.add_parser("advance", help="the next traffic step", description="Move traffic to the next step.",
+                          epilog=options.examples(f"{ex} advance --gateway tcp://127.0.0.1:7000",
+                                                  f"{ex} advance --fraction 0.5 --gateway tcp://127.0.0.1:7000"))
+    adv.add_argument("--fraction", type=options.fraction, default=None, help="jump to the first step >= this")
+    fin = acts.add_parser("finish", help="all traffic to the new version; retire the old one",
+                          description="All traffic to the new version; the workers retire the old one.",
+                          epilog=options.examples(f"{ex} finish --wait --gateway tcp://127.0.0.1:7000"))
+    rb = acts.add_parser("rollback", help="all traffic back to the old version; retire the new one",
+                         description="All traffic back to the old version; the workers retire the new one.",
+                         epilog=options.examples(f"{ex} rollback --wait --gateway tcp://127.0.0.1:7000"))
+    acts.add_parser("status", help="the update's state, fraction, served counts and timeline (JSON)",
+                    description="Print the update's state, traffic fraction, served counts and timeline as JSON.",
+                    epilog=options.examples(f"{ex} status --gateway tcp://127.0.0.1:7000"))
     acts.add_parser("served", help="what the gateway serves: each expert's version, fingerprint and source, "
-                                   "blocked and adopted experts, workers being admitted (JSON)")
-    se = acts.add_parser("settle", formatter_class=options.HelpFormatter,
-                         help="serve this version of experts whose workers disagree (or any); every host is "
-                              "brought to it before it takes traffic again")
+                                   "blocked and adopted experts, workers being admitted (JSON)",
+                    description="Print what the gateway serves: each expert's version, fingerprint and source, "
+                                "blocked and adopted experts, and workers being admitted, as JSON.",
+                    epilog=options.examples(f"{ex} served --gateway tcp://127.0.0.1:7000"))
+    se = acts.add_parser("settle", help="serve this version of experts whose workers disagree (or any); every host "
+                                        "is brought to it before it takes traffic again",
+                         description="Serve this version of some experts (whose workers disagree, or any): every "
+                                     "host is brought to it before it takes traffic again.",
+                         epilog=options.examples(
+                             f"{ex} settle --gateway tcp://127.0.0.1:7000 --experts 2 --serve-version 1",
+                             f"{ex} settle --gateway tcp://127.0.0.1:7000 --experts 0-3 --serve-version 2 --seed 7"))
     se.add_argument("--experts", required=True, type=options.int_list, help="e.g. 3 or 0-3 or 1,5")
-    se.add_argument("--serve-version", dest="version", type=int, required=True, metavar="N",
+    se.add_argument("--serve-version", dest="version", type=options.count, required=True, metavar="N",
                     help="the version to serve (its source: as given, else as a worker holding it reports)")
     se_src = se.add_mutually_exclusive_group()
-    se_src.add_argument("--weights", help=".npz (SwiGLUExpert.save_many) in the workers' --update-dir")
-    se_src.add_argument("--seed", type=int, help="demo weights from this seed")
+    se_src.add_argument("--weights", metavar="NPZ",
+                        help=".npz of expert weights (as SwiGLUExpert.save_many writes) in the workers' --update-dir")
+    se_src.add_argument("--seed", type=options.count, help="demo weights from this seed")
     se_src.add_argument("--checkpoint", metavar="DIR", help="a checkpoint directory in the workers' --update-dir")
-    se.add_argument("--layer", type=int, default=None, help="the MoE layer (default: 0)")
+    se.add_argument("--layer", type=options.count, default=None, help="the MoE layer (default: 0)")
     for q in (st, fin, rb):
         q.add_argument("--wait", action="store_true",
                        help="return once the workers acknowledged (loaded, or retired the other version)")
+    _update_globals(p)
+    for q in acts.choices.values():
+        _update_globals(q)
     return p
 
 
-def update_main(args) -> int:
-    import json
-    import time
-
-    import transport
-    from gateway.client import GatewayClient
-    from transport.service.secrets import SecretError
-    from workers.protocol import RemoteError
-
+def update_fields(args) -> dict:
     fields: dict = {}
     if args.action == "start":
         fields = {"experts": args.experts, "version": args.version, "steps": parse_floats(args.steps),
@@ -420,44 +529,82 @@ def update_main(args) -> int:
                   "checkpoint": os.path.abspath(args.checkpoint) if args.checkpoint else None}
     elif args.action == "advance" and args.fraction is not None:
         fields = {"fraction": args.fraction}
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def update_main(args) -> int:
+    import json
+    import time
+
+    import transport
+    from gateway.client import GatewayClient
+    from transport.service import secrets
+    from workers import protocol as P
+
+    prog = f"{PROG} update"
     try:
-        with GatewayClient(args.gateway, timeout=args.timeout, secret_file=args.secret_file) as c:
-            status = c.update(args.action, **{k: v for k, v in fields.items() if v is not None})
+        with GatewayClient(args.gateway, timeout=args.timeout, secret=None if args.insecure else secrets.FIND,
+                           secret_file=args.secret_file) as c:
+            status = c.update(args.action, **update_fields(args))
             deadline = time.monotonic() + args.timeout
             while getattr(args, "wait", False) and status["state"] in ("loading", "finishing", "rolling_back"):
                 if time.monotonic() > deadline:
                     print(json.dumps(status))
-                    print("moe-gateway update: timed out waiting", file=sys.stderr)
-                    return 1
+                    print(f"{prog}: timed out after {args.timeout:g} s waiting for the workers (raise --timeout, "
+                          f"or see '{prog} status')", file=sys.stderr)
+                    return options.FAILURE
                 time.sleep(0.1)
                 status = c.update("status")
-    except RemoteError as e:
-        print(f"moe-gateway update: refused: {e.message}", file=sys.stderr)
-        return 2
-    except SecretError as e:
-        print(f"moe-gateway update: {e}", file=sys.stderr)
-        return 2
+    except P.RemoteError as e:  # the gateway answered no: a bad request is the user's to fix
+        print(f"{prog}: refused: {e.message}", file=sys.stderr)
+        return options.USAGE_ERROR if e.code in (P.BAD_REQUEST, P.UNAUTHORIZED) else options.FAILURE
+    except secrets.SecretError as e:
+        raise UsageError(str(e)) from None
+    except transport.AuthenticationError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return options.FAILURE
     except transport.TransportError as e:
-        print(f"moe-gateway update: cannot reach the gateway at {args.gateway}: {e}", file=sys.stderr)
-        return 2
+        print(f"{prog}: cannot reach the gateway at {args.gateway}: {e}", file=sys.stderr)
+        return options.FAILURE
     print(json.dumps(status))
-    return 0 if status.get("state") != "failed" else 1
+    return 0 if status.get("state") != "failed" else options.FAILURE
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def make_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """(moe-gateway's parser, its `update` subcommand's)."""
     p = build_parser()
     sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands",
                            description="without one, serve the layer")
-    add_update_parser(sub)
+    update = add_update_parser(sub)
     placement_cli.add_parsers(sub)
+    return p, update
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, parsers=None) -> argparse.Namespace:
+    """The command line parsed, and checked as far as it can be without starting anything
+    (exit 2 with one line on a mistake); ``parsers``: make_parser()'s, to reuse them."""
+    p, update = parsers or make_parser()
     args = p.parse_args(argv)
+    if args.command not in ("update", "placement", "workers"):
+        try:
+            validate(args)
+        except UsageError as e:
+            p.error(str(e))
     if args.command == "update":
-        return update_main(args)
+        if getattr(args, "gateway", None) is None:
+            update.error("--gateway URL is required: the running gateway's client URL, e.g. tcp://127.0.0.1:7000")
+        args.timeout = getattr(args, "timeout", UPDATE_TIMEOUT)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.command == "update":
+        return options.run_main(f"{PROG} update", lambda: update_main(args))
     if args.command in ("placement", "workers"):
-        return placement_cli.run(args)
-    return serve_main(args)
+        return options.run_main(f"{PROG} {args.command}", lambda: placement_cli.run(args))
+    return options.run_main(PROG, lambda: serve_main(args))
 
 
 if __name__ == "__main__":
     sys.exit(main())
-

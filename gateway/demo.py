@@ -1,7 +1,7 @@
 """``make run``: a gateway with local workers, a short load, and the numbers.
 
     python -m gateway.demo --backend shm          # small config, ~20 s on 2 cores
-    python -m gateway.demo --backend tcp --full   # the full config: d_model 1024, d_ff 2048, 256-token batches
+    python -m gateway.demo --backend tcp --full   # a full-size layer: d_model 1024, d_ff 2048, 256-token batches
 
 Starts ``moe-gateway`` (which spawns and owns its workers) over the chosen backend, checks
 one output against the in-process ReferenceMoE, drives a few concurrent clients for a few
@@ -26,30 +26,33 @@ FULL = dict(d_model=1024, d_ff=2048, batch_min=256, batch_max=256)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from transport.service.options import HelpFormatter, version
+    from transport.service import options
 
-    p = argparse.ArgumentParser(prog="python -m gateway.demo", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
-    p.add_argument("--version", action="version", version=f"gateway.demo {version()}")
+    p = options.Parser(prog="python -m gateway.demo", description=__doc__.split("\n\n")[0],
+                       epilog=options.examples("python -m gateway.demo --backend shm",
+                                               "python -m gateway.demo --backend tcp --full --duration 10"))
+    p.add_argument("--version", action="version", version=f"gateway.demo {options.version()}")
     p.add_argument("--backend", default=os.environ.get("BACKEND", "shm"), choices=["shm", "tcp", "rdma"],
                    help="the local workers' transport (env BACKEND)")
-    p.add_argument("--full", action="store_true", help="the issue's config (d_model 1024, d_ff 2048, 256 tokens)")
-    p.add_argument("--local-workers", type=int, default=2, help="worker processes the gateway starts")
-    p.add_argument("--n-experts", type=int, default=8, help="routed experts in the layer")
-    p.add_argument("--top-k", type=int, default=2, help="experts per token")
-    p.add_argument("--d-model", type=int, default=256, help="model width")
-    p.add_argument("--d-ff", type=int, default=512, help="expert hidden width")
-    p.add_argument("--batch-min", type=int, default=64, help="tokens per request, drawn in [min, max]")
-    p.add_argument("--batch-max", type=int, default=256, help="tokens per request at most")
-    p.add_argument("--concurrency", type=int, default=3, help="concurrent clients (one thread each)")
-    p.add_argument("--duration", type=float, default=5.0, help="seconds of load")
-    p.add_argument("--max-wait-ms", type=float, default=1.0,
-                   help="the gateway's batching wait, ms (moe-gateway --max-wait-ms)")
-    p.add_argument("--max-batch-tokens", type=int, default=None,
+    p.add_argument("--full", action="store_true",
+                   help="a full-size layer: d_model 1024, d_ff 2048, 256-token requests")
+    p.add_argument("--local-workers", type=options.positive, default=2, help="worker processes the gateway starts")
+    p.add_argument("--n-experts", type=options.positive, default=8, help="routed experts in the layer")
+    p.add_argument("--top-k", type=options.positive, default=2, help="experts per token")
+    p.add_argument("--d-model", type=options.positive, default=256, help="model width")
+    p.add_argument("--d-ff", type=options.positive, default=512, help="expert hidden width")
+    p.add_argument("--batch-min", type=options.positive, default=64, help="tokens per request, drawn in [min, max]")
+    p.add_argument("--batch-max", type=options.positive, default=256, help="tokens per request at most")
+    p.add_argument("--concurrency", type=options.positive, default=3, help="concurrent clients (one thread each)")
+    p.add_argument("--duration", type=options.positive_seconds, default=5.0, help="seconds of load")
+    p.add_argument("--max-wait", type=options.seconds, default=0.001,
+                   help="the gateway's batching wait (moe-gateway --max-wait)")
+    options.alias(p, "--max-wait-ms", "--max-wait", type=options.milliseconds_as_seconds)
+    p.add_argument("--max-batch-tokens", type=options.positive, default=None,
                    help="the gateway's tokens per round (default: concurrency x batch-max)")
     p.add_argument("--chunk-rows", type=chunk_rows_flag, default="auto", metavar="auto|off|ROWS",
                    help="the gateway's pipelined rounds (moe-gateway --chunk-rows)")
-    p.add_argument("--seed", type=int, default=0, help="router, weights and request sizes")
+    p.add_argument("--seed", type=options.count, default=0, help="router, weights and request sizes")
     return p
 
 
@@ -98,7 +101,7 @@ def run(args) -> int:
             "--local-workers", str(args.local_workers), "--backend", args.backend,
             "--n-experts", str(args.n_experts), "--top-k", str(args.top_k),
             "--d-model", str(args.d_model), "--d-ff", str(args.d_ff), "--seed", str(args.seed),
-            "--max-batch-tokens", str(max_batch), "--max-wait-ms", str(args.max_wait_ms),
+            "--max-batch-tokens", str(max_batch), "--max-wait", str(args.max_wait),
             "--chunk-rows", args.chunk_rows]
     print(f"moe-transport demo: backend={args.backend}  {args.local_workers} workers, {args.n_experts} experts, "
           f"top-{args.top_k}, d_model={args.d_model}, d_ff={args.d_ff}, batches of "

@@ -214,9 +214,9 @@ class WorkerHost:
         value = secret.value if secret is not None else None
         try:
             options.check_exposure(url, value, insecure, "moe-worker (ray actor)")
-        except SystemExit as e:  # an actor's __init__ must raise, not exit: Ray reports it
+        except options.UsageError as e:  # a plain error travels to the gateway through Ray
             raise ValueError(str(e)) from None
-        self._limits = threadpool_limits(limits=args.threads)
+        self._limits = threadpool_limits(limits=args.blas_threads)
         self.daemon = build_daemon(args, url, value)
         self.url = self.daemon.url
         from transport.service.metrics import maybe_serve
@@ -455,7 +455,7 @@ def ray_workers(args: argparse.Namespace, secret: Optional[bytes], layers: Optio
                         start_timeout=args.ray_start_timeout)
     n_experts, n_shared, slots = served_ids(args, layers)
     base = ["--d-model", str(args.d_model), "--d-ff", str(args.d_ff), "--seed", str(args.seed), "--dtype", args.dtype,
-            "--max-tokens", str(args.max_batch_tokens * slots), "--threads", str(args.worker_threads),
+            "--max-tokens", str(args.max_batch_tokens * slots), "--blas-threads", str(args.worker_blas_threads),
             "--log-level", args.log_level, "--compute", args.compute]
     if layers:
         base += ["--checkpoint", os.path.abspath(args.checkpoint), "--layers", ",".join(map(str, sorted(layers)))]

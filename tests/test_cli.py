@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib
 import subprocess
 import sys
 
 import pytest
+
+from transport.service import options as opts
 
 ROOT = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 
@@ -29,18 +30,24 @@ def commands() -> dict[str, argparse.ArgumentParser]:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
                 out[f"moe-gateway update {name}"] = sub
-    for name, module in (("transport", "bench.transport_bench"), ("moe", "bench.moe_bench"), ("load", "bench.load")):
-        p = argparse.ArgumentParser(prog=f"moe-bench {name}")
-        importlib.import_module(module).add_arguments(p)
-        out[f"moe-bench {name}"] = p
+    from bench.cli import build_parser as bench_parser
+
+    bench = bench_parser()
+    out["moe-bench"] = bench
+    for action in bench._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out[f"moe-bench {name}"] = sub
     out["gateway.demo"] = demo_parser()
     return out
 
 
-def options(p: argparse.ArgumentParser):
+def options(p: argparse.ArgumentParser, hidden: bool = True):
+    """(flag, action) of every long flag; ``hidden``: with the renamed flags kept as hidden
+    aliases (they keep their old meaning, which the new name carries)."""
     for a in p._actions:
         for o in a.option_strings:
-            if o.startswith("--") and o != "--help":
+            if o.startswith("--") and o != "--help" and (hidden or a.help is not argparse.SUPPRESS):
                 yield o, a
 
 
@@ -57,6 +64,12 @@ SAME_MEANING_OTHER_FORM = {
     "--backend": "one transport for a gateway's local workers; repeatable in the benchmarks",
     "--slot-size": "bytes in both; the transport benchmark also takes K/M suffixes",
     "--warmup": None,  # seconds wherever it appears
+    "--replicas": "copies of each expert; repeatable in the chaos benchmark (a configuration per value)",
+    "--placement": "who starts the workers; repeatable in the chaos benchmark (a configuration per value)",
+    # a directory or file this host reads where the command reads it; `update start` names one
+    # the gateway and its workers read, which need not exist where the command runs
+    "--checkpoint": "a directory: checked here where this host reads it",
+    "--weights": "an .npz file: checked here where this host reads it",
 }
 
 
@@ -69,7 +82,7 @@ def test_every_flag_of_every_command_has_help():
 def test_one_meaning_per_flag_name():
     uses = collections.defaultdict(dict)
     for cmd, p in commands().items():
-        for o, a in options(p):
+        for o, a in options(p, hidden=False):
             uses[o][cmd] = a
     clashes = []
     for o, by_cmd in uses.items():
@@ -78,12 +91,52 @@ def test_one_meaning_per_flag_name():
             clashes.append((o, {c: kind(a) for c, a in by_cmd.items()}))
     assert not clashes, clashes
     # the ones the issue names
-    assert set(uses["--workers"]) == {"moe-gateway"} and uses["--workers"]["moe-gateway"].type is None  # URLs
-    assert all(a.type is int for a in uses["--local-workers"].values())
+    assert set(uses["--workers"]) == {"moe-gateway"} and uses["--workers"]["moe-gateway"].type.__name__ == "url_list"
+    assert all(a.type is opts.positive for a in uses["--local-workers"].values())
     assert all(type(a).__name__ == "_VersionAction" for a in uses["--version"].values()), \
         {c: type(a).__name__ for c, a in uses["--version"].items()}
-    assert all(a.type is float for a in uses["--warmup"].values())  # seconds; a count is --warmup-iters
+    assert all(a.type is opts.seconds for a in uses["--warmup"].values())  # seconds; a count is --warmup-iters
     assert "--clients" not in uses  # the demo's concurrency is --concurrency, as the load tool's
+    # CPU pinning is --cpus (a gateway's local workers': --worker-cpus), BLAS threads --blas-threads
+    assert set(uses["--cpus"]) == {"moe-worker", "moe-bench transport"} and set(uses["--worker-cpus"]) == {"moe-gateway"}
+    assert set(uses["--blas-threads"]) == {"moe-worker", "moe-gateway"}
+    assert {"--threads", "--cpu", "--pin", "--max-wait-ms", "--worker-threads"}.isdisjoint(uses)  # hidden now
+    # every time is in seconds (SECONDS in the help); the old milliseconds flag stays, hidden
+    for flag in ("--max-wait", "--worker-timeout", "--idle-timeout", "--io-timeout", "--timeout", "--duration"):
+        assert all(getattr(a.type, "metavar", None) == "SECONDS" for a in uses[flag].values()), flag
+    assert not [f for f in uses if f.endswith("-ms")]
+
+
+def test_renamed_flags_still_work_as_hidden_aliases():
+    cmds = commands()
+    w = cmds["moe-worker"].parse_args(["--threads", "2", "--cpu", "0"])
+    assert (w.blas_threads, w.cpus) == (2, [0])
+    g = cmds["moe-gateway"].parse_args(["--threads", "3", "--worker-threads", "2", "--max-wait-ms", "5"])
+    assert (g.blas_threads, g.worker_blas_threads, g.max_wait) == (3, 2, 0.005)
+    assert cmds["moe-gateway"].parse_args(["--max-wait", "0.005"]).max_wait == 0.005
+    assert cmds["moe-bench transport"].parse_args(["--pin", "0,1"]).cpus == [0, 1]
+    assert cmds["moe-bench chaos"].parse_args(["--workers", "local"]).workers == ["local"]
+    for cmd, p in cmds.items():
+        text = p.format_help()
+        for old in ("--threads ", "--cpu ", "--pin ", "--max-wait-ms", "--worker-threads"):
+            assert old not in text, (cmd, old)
+
+
+def test_help_shows_each_default_once_and_no_internal_reference():
+    import re
+
+    for cmd, p in commands().items():
+        text = p.format_help()
+        assert "(default: None)" not in text and "(default: False)" not in text, cmd
+        for a in p._actions:
+            h = p._get_formatter()._expand_help(a) if a.help and a.help is not argparse.SUPPRESS else ""
+            assert len(re.findall(r"\(default\b|\bdefault:|; default\b", h)) <= 1, (cmd, a.option_strings, h)
+            if a.required:
+                assert "default" not in h, (cmd, a.option_strings, h)
+        assert not re.search(r"\bissue\b|\w+/\w+\.py\b", text), (cmd, re.findall(r".*(?:issue|\.py).*", text))
+        if cmd not in ("moe-gateway update advance", "moe-gateway update finish", "moe-gateway update rollback",
+                       "moe-gateway update status"):
+            assert text.count("\n  moe-") + text.count("\n  python -m") >= 2, (cmd, "two examples at least")
 
 
 @pytest.mark.parametrize("argv", [

@@ -5,7 +5,8 @@
                --compute torch --dtype bfloat16
 
 The first stdout line is ``LISTENING <url>`` (the bound URL: a port of 0 replaced), so a
-parent learns where to connect; logs go to stderr. SIGTERM drains and exits 0.
+parent learns where to connect; logs go to stderr. SIGTERM drains and exits 0. A usage
+error exits 2, a failure at run time 1, each with one line on stderr.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from transport.service import options
 from transport.service.launch import LISTENING
+from transport.service.options import UsageError
 
 if TYPE_CHECKING:
     from workers.daemon import WorkerDaemon
@@ -25,14 +27,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("moe.worker")
 
 
+PROG = "moe-worker"
+EXAMPLES = options.examples(
+    "moe-worker --listen tcp://127.0.0.1:5000 --experts 0-3 --d-model 256 --d-ff 512",
+    "moe-worker --listen tcp://10.0.0.2:5000 --experts 4-7 --secret-file /etc/moe/secret --cpus 1",
+    "moe-worker --listen shm://w0 --checkpoint /models/mixtral --layers 0-31 --experts 0-3 --compute torch")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moe-worker", description="Serve MoE experts over moe-transport.",
-                                formatter_class=options.HelpFormatter)
-    p.add_argument("--listen", default="tcp://127.0.0.1:0",
-                   help="transport URL to listen on: tcp://host:port (port 0: any free one), shm://name, "
-                        "rdma://ip:port")
+    p = options.Parser(prog=PROG, epilog=EXAMPLES,
+                       description="Serve MoE experts over moe-transport to a moe-gateway. Prints 'LISTENING <url>' "
+                                   "first; SIGTERM drains and exits 0.")
+    p.add_argument("--listen", default="tcp://127.0.0.1:0", type=options.url,
+                   help="transport URL to listen on: tcp://HOST:PORT (port 0: any free one), shm://NAME, "
+                        "rdma://IP:PORT")
     m = p.add_argument_group("experts")
-    m.add_argument("--checkpoint", default=None, metavar="DIR",
+    m.add_argument("--checkpoint", default=None, type=options.existing_dir,
                    help="serve experts of this Hugging Face checkpoint (config.json + *.safetensors); only "
                         "the listed experts of the listed layers are read")
     m.add_argument("--layers", default=None, type=options.int_list,
@@ -44,47 +54,97 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--compute", default="numpy", choices=["numpy", "torch"],
                    help="expert kernel: numpy (float32 BLAS) or torch (bf16 where the CPU has bf16 matrix "
                         "units, else float32; needs the [torch] extra)")
-    m.add_argument("--weights", default=None, metavar="NPZ",
-                   help=".npz written by SwiGLUExpert.save_many (default: demo weights from --seed)")
-    m.add_argument("--d-model", type=int, default=256, help="model width (demo weights)")
-    m.add_argument("--d-ff", type=int, default=512, help="expert hidden width (demo weights)")
+    m.add_argument("--weights", default=None, metavar="NPZ", type=options.existing_file,
+                   help=".npz of expert weights, as SwiGLUExpert.save_many writes (default: demo weights "
+                        "from --seed)")
+    m.add_argument("--d-model", type=options.positive, default=256, help="model width (demo weights)")
+    m.add_argument("--d-ff", type=options.positive, default=512, help="expert hidden width (demo weights)")
     m.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"],
                    help="activation dtype on the wire (bfloat16: 2 bytes a value; the kernel converts to its "
                         "compute dtype where they differ)")
-    m.add_argument("--seed", type=int, default=0, help="seed of the demo weights (SwiGLUExpert.from_seed)")
-    m.add_argument("--max-tokens", type=int, default=None,
+    m.add_argument("--seed", type=options.count, default=0, help="seed of the demo weights")
+    m.add_argument("--max-tokens", type=options.positive, default=None, metavar="ROWS",
                    help="largest batch accepted, in rows (token-expert assignments); scratch and slots are "
                         "sized for it at start (default 2048; with --checkpoint, what a gateway's default "
                         "1024-token batch may send: 1024 x (top-k + shared pieces))")
-    m.add_argument("--max-experts", type=int, default=None, metavar="N",
+    m.add_argument("--max-experts", type=options.positive, default=None, metavar="N",
                    help="physical expert copies this worker may host: a gateway that moves or replicates "
                         "experts (--eplb) adds copies up to this many (default: twice the experts it starts with)")
-    m.add_argument("--update-dir", default=None, metavar="DIR",
+    m.add_argument("--update-dir", default=None, type=options.existing_dir,
                    help="hot update reads new weight files only from this directory (default: none, so "
                         "only seed updates)")
     t = p.add_argument_group("transport")
-    t.add_argument("--slot-size", type=int, default=None, help="receive slot size in bytes (default: fits --max-tokens)")
-    t.add_argument("--nslots", type=int, default=8, help="receive slots (credits) per connection")
-    t.add_argument("--io-timeout", type=float, default=10.0, help="bound on every transport wait, seconds")
-    t.add_argument("--max-connections", type=int, default=64, help="connections served at once (more are refused)")
-    t.add_argument("--idle-timeout", type=float, default=0.0,
-                   help="close a connection idle this long, seconds (0: never, as gateways ping)")
+    t.add_argument("--slot-size", type=options.positive, default=None, metavar="BYTES",
+                   help="receive slot size (default: fits --max-tokens)")
+    t.add_argument("--nslots", type=options.positive, default=8, help="receive slots (credits) per connection")
+    t.add_argument("--io-timeout", type=options.positive_seconds, default=10.0, help="bound on every transport wait")
+    t.add_argument("--max-connections", type=options.positive, default=64,
+                   help="connections served at once (more are refused)")
+    t.add_argument("--idle-timeout", type=options.seconds, default=0.0,
+                   help="close a connection idle this long (0: never, as gateways ping)")
     options.add_security(t, service=True)
     r = p.add_argument_group("process")
-    r.add_argument("--threads", type=int, default=1, help="BLAS threads (1: the stable choice on few cores)")
-    r.add_argument("--cpu", default=None, type=options.int_list, help="pin to these CPUs, e.g. 0 or 0,1")
+    r.add_argument("--blas-threads", type=options.positive, default=1,
+                   help="BLAS threads (1: the stable choice on few cores)")
+    options.alias(r, "--threads", "--blas-threads", type=options.positive)
+    r.add_argument("--cpus", default=None, type=options.cpu_list, help="pin to these CPUs, e.g. 0 or 0,1")
+    options.alias(r, "--cpu", "--cpus", type=options.cpu_list)
     r.add_argument("--compute-thread", default="auto", choices=["auto", "on", "off"],
                    help="compute on a thread of its own, so the transport keeps receiving and replying "
                         "meanwhile (auto: on where the transport copies on the caller's thread: tcp)")
-    r.add_argument("--drain-timeout", type=float, default=10.0, help="longest SIGTERM drain, seconds")
-    r.add_argument("--drain-idle", type=float, default=0.2,
-                   help="while draining, exit once connections were quiet this long, seconds")
+    r.add_argument("--drain-timeout", type=options.seconds, default=10.0, help="longest SIGTERM drain")
+    r.add_argument("--drain-idle", type=options.seconds, default=0.2,
+                   help="while draining, exit once connections were quiet this long")
     r.add_argument("--exit-with-parent", action="store_true", help="drain and exit when the parent process dies")
-    options.add_common(p, "moe-worker")
+    options.add_common(p, PROG)
     from transport.service.metrics import add_flags
 
     add_flags(p)
     return p
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Flags that contradict each other or the checkpoint: UsageError before anything loads."""
+    if args.checkpoint and args.weights:
+        raise UsageError("--checkpoint and --weights are exclusive: give one")
+    if args.layers and not args.checkpoint:
+        raise UsageError("--layers needs --checkpoint (demo weights are one layer)")
+    if args.cpus:
+        have = sorted(os.sched_getaffinity(0))
+        bad = [c for c in args.cpus if c not in have]
+        if bad:
+            raise UsageError(f"--cpus {','.join(map(str, bad))}: this process may run on CPUs "
+                             f"{','.join(map(str, have))} only")
+    if args.checkpoint:
+        check_selection(args.checkpoint, args.layers, args.experts)
+    elif args.weights and args.experts:
+        from workers.expert import npz_expert_ids
+
+        try:
+            have = npz_expert_ids(args.weights)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--weights {args.weights}: not an .npz of experts ({e})") from None
+        bad = [e for e in args.experts if e not in have]
+        if bad:
+            raise UsageError(f"--experts {','.join(map(str, bad))}: {args.weights} has experts "
+                             f"{','.join(map(str, have))}")
+
+
+def check_selection(path: str, layers: Optional[Sequence[int]], experts: Optional[Sequence[int]]) -> None:
+    """--layers and --experts exist in the checkpoint at ``path``, else UsageError naming
+    what it has."""
+    from workers.checkpoint import Checkpoint, model_spec
+
+    ms = model_spec(Checkpoint(path))
+    bad = [L for L in (layers or []) if L not in ms.moe_layers]
+    if bad:
+        raise UsageError(f"--layers {','.join(map(str, bad))}: {path} has MoE layers "
+                         f"{','.join(map(str, ms.moe_layers))}")
+    for L in layers or ms.moe_layers:
+        n = ms.layer(L).n_ids
+        bad = [e for e in (experts or []) if e >= n]
+        if bad:
+            raise UsageError(f"--experts {','.join(map(str, bad))}: layer {L} of {path} has expert ids 0-{n - 1}")
 
 
 DEFAULT_MAX_ROWS = 2048
@@ -108,17 +168,17 @@ def load_experts(args):
 
     if args.checkpoint:
         if args.weights:
-            raise ValueError("--checkpoint and --weights are exclusive")
+            raise UsageError("--checkpoint and --weights are exclusive: give one")
         if args.max_tokens is None:
             args.max_tokens = checkpoint_max_rows(args.checkpoint, args.layers)
         return checkpoint_experts(args.checkpoint, args.layers, args.experts, kind=args.compute, wire=args.dtype,
-                                  max_tokens=args.max_tokens, threads=args.threads)
+                                  max_tokens=args.max_tokens, threads=args.blas_threads)
     if args.layers:
-        raise ValueError("--layers needs --checkpoint (demo weights are one layer)")
+        raise UsageError("--layers needs --checkpoint (demo weights are one layer)")
     args.max_tokens = args.max_tokens or DEFAULT_MAX_ROWS
     ids = args.experts or (npz_expert_ids(args.weights) if args.weights else [0])
     return demo_experts(ids, d_model=args.d_model, d_ff=args.d_ff, seed=args.seed, weights=args.weights,
-                        kind=args.compute, wire=args.dtype, max_tokens=args.max_tokens, threads=args.threads)
+                        kind=args.compute, wire=args.dtype, max_tokens=args.max_tokens, threads=args.blas_threads)
 
 
 def build_daemon(args: argparse.Namespace, listen: str, secret: Optional[bytes], *,
@@ -137,49 +197,56 @@ def build_daemon(args: argparse.Namespace, listen: str, secret: Optional[bytes],
                         max_experts=args.max_experts)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    options.setup_logging(args.log_level, "moe-worker")
-    if args.cpu:
-        os.sched_setaffinity(0, args.cpu)
+def serve(args: argparse.Namespace) -> int:
+    options.setup_logging(args.log_level, PROG)
+    if args.cpus:
+        os.sched_setaffinity(0, args.cpus)
     from threadpoolctl import threadpool_limits
 
     from transport.service import secrets
 
-    limits = threadpool_limits(limits=args.threads)  # noqa: F841 (kept for the process's life)
+    limits = threadpool_limits(limits=args.blas_threads)  # noqa: F841 (kept for the process's life)
     options.raise_fd_limit()
+    # as the gateway: without a secret, the per-user default one (created, 0600, if none
+    # exists yet), so a gateway and workers one user starts on a host find the same secret
+    # and authenticate each other; --insecure (a trusted network) uses only one named
+    secret = None
     try:
-        # as the gateway: without a secret, the per-user default one (created, 0600, if none
-        # exists yet), so a gateway and workers one user starts on a host find the same secret
-        # and authenticate each other; --insecure (a trusted network, other hosts) keeps none
-        secret = None
-        if args.insecure:
-            secret, _ = secrets.resolve(args.secret_file, use_default=False)
-        else:
-            try:
-                secret, _ = secrets.for_service(args.secret_file)
-            except OSError as e:  # no writable home (a container): no secret, loopback only
-                log.warning("no shared secret: cannot create the per-user default (%s)", e)
-        options.check_exposure(args.listen, secret, args.insecure, "moe-worker")
-        daemon = build_daemon(args, args.listen, secret,
-                              watch_parent=os.getppid() if args.exit_with_parent else None)
-    except SystemExit:
-        raise
-    except Exception as e:
-        print(f"moe-worker: {e}", file=sys.stderr)
-        return 2
-    try:
-        from transport.service.metrics import maybe_serve
-        from workers.metrics import worker_health, worker_registry
+        secret, _ = secrets.for_service(args.secret_file, insecure=args.insecure)
+    except OSError as e:  # no writable home (a container): no secret, loopback only
+        log.warning("no shared secret: cannot create the per-user default (%s)", e)
+    options.check_exposure(args.listen, secret, args.insecure, PROG)
+    daemon = build_daemon(args, args.listen, secret, watch_parent=os.getppid() if args.exit_with_parent else None)
+    from transport.service.metrics import maybe_serve
+    from workers.metrics import worker_health, worker_registry
 
+    try:
         maybe_serve(lambda: worker_registry(daemon), args, health=worker_health(daemon))
-    except Exception as e:
-        print(f"moe-worker: metrics: {e}", file=sys.stderr)
-        return 2
+    except OSError as e:
+        raise RuntimeError(f"metrics: cannot serve on {args.metrics_addr}:{args.metrics_port}: "
+                           f"{e.strerror or e}") from None
     signal.signal(signal.SIGTERM, lambda *_: daemon.request_stop())
     signal.signal(signal.SIGINT, lambda *_: daemon.request_stop())
     print(f"{LISTENING} {daemon.url}", flush=True)
     return daemon.serve()
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.ArgumentParser] = None
+               ) -> argparse.Namespace:
+    """The command line parsed and checked before anything loads (exit 2 with one line on
+    a mistake); ``parser``: build_parser()'s, to reuse it."""
+    p = parser or build_parser()
+    args = p.parse_args(argv)
+    try:
+        validate(args)
+    except UsageError as e:
+        p.error(str(e))
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    return options.run_main(PROG, lambda: serve(args))
 
 
 def worker_argv(listen: str, experts: Sequence[int], *, d_model: int, d_ff: int, seed: int = 0,

@@ -141,11 +141,14 @@ def serve(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1", *, he
 
 
 def add_flags(parser) -> None:
-    parser.add_argument("--metrics-port", type=int, nargs="?", const=DEFAULT_PORT, default=None, metavar="PORT",
+    from .options import host, port
+
+    parser.add_argument("--metrics-port", type=port, nargs="?", const=DEFAULT_PORT, default=None, metavar="PORT",
                         help=f"serve Prometheus metrics on http://ADDR:PORT/metrics, liveness on /healthz and "
                              f"readiness on /readyz (the flag alone: port {DEFAULT_PORT}; 0: a free port); prints "
                              f"'METRICS <url>' on stderr; default: off")
-    parser.add_argument("--metrics-addr", default="127.0.0.1", help="address the metrics endpoint binds")
+    parser.add_argument("--metrics-addr", default="127.0.0.1", type=host, metavar="ADDR",
+                        help="address the metrics endpoint binds")
 
 
 def maybe_serve(registry_fn: Callable[[], CollectorRegistry], args, health: Optional[Health] = None) -> Optional[str]:
