@@ -112,7 +112,10 @@ class GatewayClient:
             else:
                 src = x
             np.copyto(dst, src)  # into registered memory: the send is zero-copy
-            self.conn.send(P.forward_request(rid, x.shape, x.dtype, layer=layer), [slot], timeout=timeout)
+            h = P.forward_request(rid, x.shape, x.dtype, layer=layer)
+            if layer is not None:  # named, even 0: a gateway serving one other layer defaults to that one
+                h["layer"] = int(layer)
+            self.conn.send(h, [slot], timeout=timeout)
             self._waiting.add(rid)
         return rid
 
@@ -134,8 +137,9 @@ class GatewayClient:
             rid = next(self._ids)
             self._keep.add(rid)
             try:
-                self.conn.send(P.forward_request(rid, hidden.shape, hidden.dtype, layer=layer),
-                               [buf] if hidden.size else [], timeout=max(0.0, deadline - time.monotonic()))
+                h = P.forward_request(rid, hidden.shape, hidden.dtype, layer=layer)
+                h["layer"] = int(layer)  # named, even 0 (see submit)
+                self.conn.send(h, [buf] if hidden.size else [], timeout=max(0.0, deadline - time.monotonic()))
             except BaseException:
                 self._keep.discard(rid)
                 raise

@@ -246,16 +246,22 @@ def parse_forward(header: dict, buffer_sizes: Sequence[int], *, dtype: np.dtype,
     ``buffer_sizes`` are the byte sizes of the message's buffers (exactly one expected);
     ``experts`` (workers) are the expert ids hosted here; ``max_rows`` the largest batch;
     ``layers`` (when given) the layers served here (a gateway), or each mapped to its hosted
-    expert ids (a worker): the request's layer must be one of them.
+    expert ids (a worker): the request's layer must be one of them; a request that names
+    none gets DEFAULT_LAYER, or the one layer served when that is another.
     """
     rid = request_id_of(header)
     name = header.get("dtype")
     if name not in DTYPES or name != dtype_name(dtype):
         raise RequestError(BAD_DTYPE, f"dtype {name!r} is not served here; send {dtype_name(dtype)}")
     layer = header.get("layer", DEFAULT_LAYER)
+    if "layer" not in header and layers is not None and DEFAULT_LAYER not in layers and len(layers) == 1:
+        layer = next(iter(layers))  # one layer served: the default is that one
     if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
         raise RequestError(BAD_REQUEST, f"layer must be an integer >= 0, got {layer!r}")
     if layers is not None:
+        if layer not in layers and "layer" not in header:
+            raise RequestError(UNKNOWN_LAYER, f"the request names no layer, and layer {layer} is not served here: "
+                                              f"name one of {sorted(layers)}")
         if layer not in layers:
             raise RequestError(UNKNOWN_LAYER, f"layer {layer} is not served here (layers: {sorted(layers)})")
         if experts is None and isinstance(layers, Mapping):
