@@ -17,6 +17,7 @@ from gateway.worker_link import Health as WorkerHealth
 from transport.service.connbook import ConnectionBook
 from transport.service.health import Health, Heartbeat
 from transport.service.metrics import FnCollector, build_info, serve_families, transport_families
+from workers import protocol as P
 
 STAGES = ("queue", "route", "dispatch", "compute", "wait", "combine", "total")
 STAGE_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
@@ -78,6 +79,30 @@ class GatewayMetrics:
         detail = {"draining": draining, "experts_without_healthy_worker": missing,
                   "workers": {str(w.index): w.state.value for w in workers}}
         return not missing and not draining, detail
+
+    @staticmethod
+    def _update_families(up) -> list:
+        """The hot update's split, state and counts; with no update yet, the split and the
+        counts at 0 with empty labels (so a panel charts 0, not "No data")."""
+        ul = ["experts", "old", "new"]
+        frac = GaugeMetricFamily("moe_gateway_update_fraction", "Share of requests decided for the new "
+                                 "version by the current hot update", labels=ul)
+        served = CounterMetricFamily("moe_gateway_update_requests", "Requests decided by the current hot "
+                                     "update, by side", labels=ul + ["side"])
+        if up is None:
+            frac.add_metric(["", "", ""], 0.0)
+            for side in ("old", "new"):
+                served.add_metric(["", "", "", side], 0)
+            return [frac, served]
+        lv = [",".join(map(str, up.experts)), ",".join(str(up.old[e]) for e in up.experts), str(up.new)]
+        frac.add_metric(lv, up.fraction)
+        ust = GaugeMetricFamily("moe_gateway_update_state", "Hot update state (1 on the current one)",
+                                labels=ul + ["state"])
+        for s_ in State:
+            ust.add_metric(lv + [s_.value], int(up.state == s_))
+        for side in ("old", "new"):
+            served.add_metric(lv + [side], up.served[side])
+        return [frac, ust, served]
 
     def on_request(self, seconds: float, ok: bool) -> None:
         self._outcome[ok].observe(seconds)
@@ -190,7 +215,7 @@ class GatewayMetrics:
             rw.add_metric([outcome.rstrip("s")], spin[outcome])
         fams.append(rw)
         ec = CounterMetricFamily("moe_gateway_errors", "Error replies by code", labels=["code"])
-        for code, n in sorted(list(st.errors.items())):
+        for code, n in sorted((dict.fromkeys(P.ERROR_CODES, 0) | dict(st.errors)).items()):  # each from the start
             ec.add_metric([str(code)], n)
         fams.append(ec)
         wl = ["worker"]
@@ -232,22 +257,7 @@ class GatewayMetrics:
                 wver.add_metric([str(w.index), str(e), str(L)], v)
         fams += [info, healthy, state, out, sent, bsent, fail, comp, erows, kin, wver]
         fams += self._served(pool)
-        up = pool.update
-        if up is not None:
-            ul = ["experts", "old", "new"]
-            lv = [",".join(map(str, up.experts)), ",".join(str(up.old[e]) for e in up.experts), str(up.new)]
-            frac = GaugeMetricFamily("moe_gateway_update_fraction", "Share of requests decided for the new "
-                                     "version by the current hot update", labels=ul)
-            frac.add_metric(lv, up.fraction)
-            ust = GaugeMetricFamily("moe_gateway_update_state", "Hot update state (1 on the current one)",
-                                    labels=ul + ["state"])
-            for s_ in State:
-                ust.add_metric(lv + [s_.value], int(up.state == s_))
-            served = CounterMetricFamily("moe_gateway_update_requests", "Requests decided by the current hot "
-                                         "update, by side", labels=ul + ["side"])
-            for side in ("old", "new"):
-                served.add_metric(lv + [side], up.served[side])
-            fams += [frac, ust, served]
+        fams += self._update_families(pool.update)
         fams.extend(transport_families([self.worker_book, srv.conn_book]))
         fams.extend(serve_families(srv.loop.stats, "gateway"))
         fams.append(build_info("gateway"))

@@ -12,6 +12,7 @@ from prometheus_client.utils import floatToGoString
 
 from transport.service.health import Health, Heartbeat
 from transport.service.metrics import FnCollector, build_info, serve_families, transport_families
+from workers import protocol as P
 from workers.daemon import COMPUTE_BUCKETS
 
 _LE = [floatToGoString(b) for b in COMPUTE_BUCKETS] + ["+Inf"]  # as prometheus_client writes `le`
@@ -59,7 +60,7 @@ def worker_families(daemon) -> list:
     fams.append(CounterMetricFamily("moe_worker_requests", "Requests handled", value=st.requests))
     fams.append(CounterMetricFamily("moe_worker_batches", "Forward batches answered", value=st.batches))
     ec = CounterMetricFamily("moe_worker_errors", "Error replies by code", labels=["code"])
-    for code, n in sorted(list(st.errors.items())):
+    for code, n in sorted((dict.fromkeys(P.ERROR_CODES, 0) | dict(st.errors)).items()):  # every code from the start
         ec.add_metric([str(code)], n)
     fams.append(ec)
     fams.append(CounterMetricFamily("moe_worker_connections_accepted", "Connections accepted",

@@ -117,6 +117,9 @@ WORKER_FAILED = "worker_failed"  # gateway: a worker died, timed out or replied 
 UNAVAILABLE = "unavailable"  # gateway: no healthy worker hosts an expert the batch needs
 UNAUTHORIZED = "unauthorized"  # a control operation on a connection that did not prove the secret
 INTERNAL = "internal"
+#: every code above: the services export a counter for each from the start (at 0)
+ERROR_CODES = (BAD_REQUEST, BAD_DTYPE, BAD_SHAPE, BAD_GROUPS, UNKNOWN_EXPERT, UNKNOWN_LAYER, UNKNOWN_VERSION,
+               LOAD_FAILED, OVERSIZED, WORKER_FAILED, UNAVAILABLE, UNAUTHORIZED, INTERNAL)
 
 DTYPES = ("float32", "float64", "float16", bf16.BF16_NAME)
 DEFAULT_LAYER = 0  # the layer of a request that names none (the demo mode's one layer)
