@@ -324,6 +324,9 @@ def plot(points: list[dict], path: str, slo_tpot_ms: float) -> None:
         for b, p in zip(bars, group):
             if p["mark"]:
                 top.annotate(p["mark"], (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom")
+        from matplotlib.patches import Patch
+        top.legend(handles=[Patch(color="tab:blue", label="at the knee"),
+                            Patch(color="tab:gray", label="no knee: the last step")], fontsize=7)
         top.set_xticks(x, labels)
         top.set_xlabel(AXIS_TITLE[axis])
         top.set_ylabel("tokens/s at the knee")

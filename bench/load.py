@@ -902,6 +902,8 @@ def _run(args: argparse.Namespace) -> int:
     from bench.provenance import emit_report, provenance, write_json_atomic
     prov = provenance()
     _resolve(args)
+    from bench.load_cli import plan
+    note(plan(args))
     if args.points:
         from bench.experiments import run_points
         return run_points(args, prov)

@@ -146,3 +146,28 @@ def validate(args: argparse.Namespace) -> None:
         _resolve(args)
     except ConfigError as e:
         raise options.UsageError(str(e)) from None
+
+
+START_S = 5.0  # starting a gateway and its local workers, beyond the timed load (measured: 3-8 s)
+
+
+def plan(args: argparse.Namespace) -> str:
+    """What a resolved run will do and about how long it takes at most, said before it
+    starts (a ramp stops at its first saturated step, so it may end sooner)."""
+    if args.mode == "ramp":
+        step = args.step_duration or args.duration / args.ramp_steps
+        load_s = step * args.ramp_steps
+        what = f"a ramp of {args.ramp_steps} steps of {step:g} s up to {args.rate:g} req/s"
+    else:
+        load_s = args.duration
+        what = f"{args.duration:g} s of {args.mode} load at {args.rate:g} req/s"
+    each = args.warmup + load_s + START_S
+    if args.points:
+        n = len(args.points) * max(1, args.repeat)
+        runs = (f"{len(args.points)} started gateway(s) ({', '.join(p['label'] for p in args.points)})"
+                f"{f' x {args.repeat} repeats, interleaved' if args.repeat > 1 else ''}")
+    else:
+        n = len(args.plan)
+        runs = f"{n} system(s) ({', '.join(s if b is None else f'{s}/{b}' for s, b in args.plan)})"
+    return (f"plan: {runs}, each {args.warmup:g} s of warm-up and {what}: about {n * each / 60:.1f} min "
+            f"at most")

@@ -260,14 +260,17 @@ def plot(runs: list[dict], models: dict, path: str, mode: str, slo_tpot_ms: floa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from bench.plotstyle import colour
+
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
     ax = axes[0][0]
     if mode == "ramp":
         for run in runs:
             recs = run["records"]
             tps = [r["tokens_per_s"] for r in recs]
-            line, = ax.plot(tps, [r["tpot_ms"]["p99"] for r in recs], "o-", label=f"{_name(run)} TPOT p99")
-            ax.plot(tps, [r["tpot_ms"]["p50"] for r in recs], "s--", color=line.get_color(), alpha=0.6,
+            c = colour(run["system"])
+            ax.plot(tps, [r["tpot_ms"]["p99"] for r in recs], "o-", color=c, label=f"{_name(run)} TPOT p99")
+            ax.plot(tps, [r["tpot_ms"]["p50"] for r in recs], "s--", color=c, alpha=0.6,
                     label=f"{_name(run)} TPOT p50")
         ax.axhline(slo_tpot_ms, color="r", lw=0.8, ls=":", label="TPOT SLO")
         ax.set_xlabel("tokens/s")
@@ -281,7 +284,8 @@ def plot(runs: list[dict], models: dict, path: str, mode: str, slo_tpot_ms: floa
                     [1e3 * (d.first - d.sched) for d in done]
                 if v:
                     v = np.sort(v)
-                    ax.plot(v, np.arange(1, len(v) + 1) / len(v), style, label=f"{_name(run)} {key}")
+                    ax.plot(v, np.arange(1, len(v) + 1) / len(v), style, color=colour(run["system"]),
+                            label=f"{_name(run)} {key}")
         ax.set_xlabel("latency ms")
         ax.set_ylabel("CDF")
         ax.set_title("latency CDF")
@@ -303,19 +307,26 @@ def plot(runs: list[dict], models: dict, path: str, mode: str, slo_tpot_ms: floa
 
     ax = axes[1][0]
     lru = models["lru_hit_rate"]
-    ax.plot(range(1, len(lru) + 1), [100 * h for h in lru], "o-")
+    ax.plot(range(1, len(lru) + 1), [100 * h for h in lru], "o-", color="k",
+            label=f"LRU over {models.get('from_system') or 'the recorded passes'}")
+    ax.legend(fontsize=6, loc="lower right")
     ax.set_xlabel("resident experts (LRU)")
     ax.set_ylabel("hit rate %")
     ax.set_ylim(0, 100)
     ax.set_title("expert cache simulation")
 
     ax = axes[1][1]
-    labels, values = [], []
+    labels, values, colours = [], [], []
     for run in runs:
         for proc, v in sorted(run["records"][-1].get("cpu_cores", {}).items()):
             labels.append(f"{_name(run)}\n{proc}")
             values.append(v)
-    ax.bar(range(len(values)), values)
+            colours.append(colour(run["system"]))
+    ax.bar(range(len(values)), values, color=colours)
+    for run in runs:  # a legend entry per system, in its colour
+        ax.bar([0], [0], color=colour(run["system"]), label=_name(run))
+    if runs:
+        ax.legend(fontsize=6)
     ax.set_xticks(range(len(values)), labels, fontsize=5, rotation=90)
     ax.set_ylabel("CPU cores (last step)")
     ax.set_title("CPU per process")

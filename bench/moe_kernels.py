@@ -421,7 +421,7 @@ def _report(results, args, config, compute, wire, cdt, bf16_units, name_np, name
                   f"{100 * b['of_cpu_bound']:.0f}% of that")
             if sf and shortfall_line(sf):
                 print(f"{B}: chunked rounds: {shortfall_line(sf)}")
-    print("\ntargets (issue 12):")
+    print("\ntargets of the expert kernels (a benchmark, never a test):")
     for t in targets:
         v = f"{100 * t['value']:.1f}%" if t["percent"] else f"{t['value']:.2f}x"
         print(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {v}")

@@ -2,6 +2,7 @@
 targets (stdout), plots (matplotlib if present)."""
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from typing import Any, Optional
@@ -15,7 +16,7 @@ RATIO_DIRECTIONS = {"lat_vs_<peer>": "ours / peer, one-way t_typical (median): l
                     "bw_vs_ib_write_bw": "ours / ib_write_bw GB/s: higher is better"}
 # figures quoted from elsewhere, never measured by this tool: printed as references only
 REFERENCES = {"shm": [{"what": "NIXL shared-memory one-way latency", "value_us": 5.0, "approx": True,
-                       "source": "issue 15 (NIXL's published figure); not measured in this run",
+                       "source": "NIXL's published figure; not measured in this run",
                        "compare": ("moe-transport", "shm", "descriptor", 4096)}]}
 
 
@@ -90,53 +91,114 @@ def ratios(results: list[dict]) -> list[dict]:
     return out
 
 
+# -- repeats and noise --------------------------------------------------------------------
+NOISY_SPREAD = 1.5  # repeats agree when their t_typical are within this factor of each other
+NOISY_TAIL = 3.0  # a run whose t_typical is this many times its t_min: half its round trips were held up
+
+
+def combine_repeats(recs: list[dict]) -> dict:
+    """One row from a size's repeats (run interleaved with the other implementations'):
+    the repeat with the median t_typical (its latency columns together), bandwidth and
+    message rate the medians over the repeats, ``repeats`` what each gave, and ``noisy``
+    (None, or why: :func:`noise`): such a row is shown but judges no target."""
+    ok = [r for r in recs if r.get("carried") and "error" not in r]
+    if not ok or len(ok) != len(recs):
+        return next((r for r in recs if "error" in r), recs[0])
+    order = sorted(ok, key=lambda r: r["lat_us"]["p50"])
+    rec = dict(order[(len(order) - 1) // 2])
+    p50s = [r["lat_us"]["p50"] for r in ok]
+    rec["repeats"] = {"n": len(ok), "lat_p50_us": p50s}
+    for key in ("bw_gbps", "msg_rate"):
+        vals = [r[key] for r in ok if r.get(key) is not None]
+        if len(vals) == len(ok) and len(ok) > 1:
+            rec[key] = float(statistics.median(vals))
+            rec["repeats"][key] = vals
+    rec["noisy"] = noise(rec)
+    return rec
+
+
+def noise(rec: dict) -> Optional[str]:
+    """Why a row's figures do not hold still (None: they do): no majority of its repeats
+    agrees with the median one (one busy repeat out of three spoils nothing), or the median
+    repeat's own t_typical sits far above its t_min."""
+    p50s = rec.get("repeats", {}).get("lat_p50_us") or []
+    med = rec["lat_us"]["p50"]
+    if len(p50s) > 1 and min(p50s) > 0:
+        agree = sum(1 for v in p50s if max(v, med) / min(v, med) <= NOISY_SPREAD)
+        if 2 * agree <= len(p50s):
+            return (f"its {len(p50s)} repeats' t_typical span {min(p50s):.1f}..{max(p50s):.1f} us, no majority "
+                    f"within {NOISY_SPREAD:g}x of the median")
+    L = rec["lat_us"]
+    if L["min"] > 0 and L["p50"] / L["min"] > NOISY_TAIL:
+        return f"t_typical {L['p50']:.1f} us is {L['p50'] / L['min']:.0f}x its t_min {L['min']:.1f} us"
+    return None
+
+
 def targets(results: list[dict]) -> list[dict]:
-    """The transport's targets, evaluated on what this run measured (a benchmark, never a
-    test); every target says which figure it reads."""
+    """moe-transport's targets, judged on what this run measured (a benchmark, never a
+    test), each from the median repeat of its rows; a target whose rows are noisy is
+    reported with ``met`` None and ``noisy`` saying why, not judged."""
     idx = _index(results)
     out: list[dict] = []
 
-    def lat(impl, backend, size, fig="descriptor"):
-        r = idx.get((impl, backend, fig, size))
+    def row(impl, backend, size, fig="descriptor"):
+        return idx.get((impl, backend, fig, size))
+
+    def lat(r):
         return r["lat_us"]["p50"] if r else None
 
-    def bw(impl, backend, size, key="bw_gbps", fig="descriptor"):
-        r = idx.get((impl, backend, fig, size))
-        return r.get(key) if r else None
-
-    def target(name, num, den, limit, op, source):
+    def target(name, rn, rd, value, limit, op, source):
+        num, den = value(rn), value(rd)
         if num is None or not den:
             return
         v = num / den
+        noisy = "; ".join(f"{r.get('label') or r['impl']} ({r['backend']}) at {human(r['size'])}: {r['noisy']}"
+                          for r in (rn, rd) if r.get("noisy"))
         out.append({"target": name, "value": round(v, 3), "limit": limit, "op": op,
-                    "met": bool(v <= limit if op == "<=" else v >= limit), "source": source})
+                    "met": None if noisy else bool(v <= limit if op == "<=" else v >= limit), "source": source,
+                    "noisy": noisy or None, "repeats": min(r.get("repeats", {}).get("n", 1) for r in (rn, rd))})
 
-    backends = sorted({k[1] for k in idx if k[0] == "moe-transport"})
-    for b in backends:
+    bw = lambda r: r.get("bw_gbps") if r else None  # noqa: E731
+    wbw = lambda r: r.get("write_bw_gbps") if r else None  # noqa: E731
+    for b in sorted({k[1] for k in idx if k[0] == "moe-transport"}):
         if b == "shm":
             target("shm descriptor one-way t_typical at 4 KiB / bare slot-index handoff (same run)",
-                   lat("moe-transport", "shm", 4096), lat("raw", "shm", 4096), 10.0, "<=", "issue 15")
+                   row("moe-transport", "shm", 4096), row("raw", "shm", 4096), lat, 10.0, "<=",
+                   "shared-memory latency target")
             for big in (1 << 20, 16 << 20):
-                target(f"shm descriptor t_typical at {human(big)} / at 64 B",
-                       lat("moe-transport", "shm", big), lat("moe-transport", "shm", 64), 1.2, "<=", "issue 15")
+                target(f"shm descriptor t_typical at {human(big)} / at 64 B", row("moe-transport", "shm", big),
+                       row("moe-transport", "shm", 64), lat, 1.2, "<=", "shared-memory size-independence target")
         if b == "tcp":
-            target("tcp descriptor t_typical at 4 KiB / raw socket", lat("moe-transport", "tcp", 4096),
-                   lat("raw", "tcp", 4096), 1.25, "<=", "transport targets")
-            target("tcp descriptor bandwidth at 1 MiB / raw socket", bw("moe-transport", "tcp", 1 << 20),
-                   bw("raw", "tcp", 1 << 20), 0.9, ">=", "transport targets")
+            target("tcp descriptor t_typical at 4 KiB / raw socket", row("moe-transport", "tcp", 4096),
+                   row("raw", "tcp", 4096), lat, 1.25, "<=", "TCP latency target")
+            target("tcp descriptor bandwidth at 1 MiB / raw socket", row("moe-transport", "tcp", 1 << 20),
+                   row("raw", "tcp", 1 << 20), bw, 0.9, ">=", "TCP bandwidth target")
         if b == "rdma":
             for s in (64, 4096):
-                target(f"rdma descriptor t_typical at {human(s)} / bare pyverbs loop",
-                       lat("moe-transport", "rdma", s), lat("raw", "rdma", s), 2.0, "<=", "issue 15")
-            target("rdma bandwidth at 1 MiB / ib_write_bw (one run; issue 15 asks the median of five)",
-                   bw("moe-transport", "rdma", 1 << 20), bw("perftest", "rdma", 1 << 20, "write_bw_gbps"),
-                   0.9, ">=", "issue 15")
-        zs = [lat("moe-transport", b, s) / lat("pyzmq", _zmq(b), s) for s in sorted({k[3] for k in idx})
-              if lat("moe-transport", b, s) and lat("pyzmq", _zmq(b), s)]
-        if zs:
-            out.append({"target": f"{b} descriptor worst t_typical / pyzmq over all sizes", "value": round(max(zs), 3),
-                        "limit": 1.0, "op": "<", "met": bool(max(zs) < 1.0), "source": "transport targets"})
+                target(f"rdma descriptor t_typical at {human(s)} / bare pyverbs loop", row("moe-transport", "rdma", s),
+                       row("raw", "rdma", s), lat, 2.0, "<=", "RDMA latency target")
+            rn, rp = row("moe-transport", "rdma", 1 << 20), row("perftest", "rdma", 1 << 20)
+            if bw(rn) is not None and wbw(rp):
+                target("rdma bandwidth at 1 MiB / ib_write_bw", rn, rp, lambda r: bw(r) if r is rn else wbw(r),
+                       0.9, ">=", "RDMA bandwidth target")
+        _zmq_target(out, b, idx, row, lat)
     return out
+
+
+def _zmq_target(out: list, b: str, idx: dict, row, lat) -> None:
+    """Ours slower than pyzmq at no size: judged over the sizes whose rows hold still."""
+    pairs = [(s, row("moe-transport", b, s), row("pyzmq", _zmq(b), s)) for s in sorted({k[3] for k in idx})]
+    pairs = [(s, ours, z) for s, ours, z in pairs if lat(ours) and lat(z)]
+    if not pairs:
+        return
+    clean = [(s, lat(o) / lat(z)) for s, o, z in pairs if not o.get("noisy") and not z.get("noisy")]
+    left = [human(s) for s, o, z in pairs if o.get("noisy") or z.get("noisy")]
+    worst = max((v for _, v in clean), default=max(lat(o) / lat(z) for _, o, z in pairs))
+    out.append({"target": f"{b} descriptor worst t_typical / pyzmq over all sizes", "value": round(worst, 3),
+                "limit": 1.0, "op": "<", "met": bool(worst < 1.0) if clean else None,
+                "source": "against pyzmq", "noisy": (f"noisy sizes left out: {', '.join(left)}" if left else None),
+                "repeats": min(min(o.get("repeats", {}).get("n", 1), z.get("repeats", {}).get("n", 1))
+                               for _, o, z in pairs)})
 
 
 def _zmq(backend: str) -> str:
@@ -194,6 +256,10 @@ def _settings_lines(doc: dict) -> list[str]:
     for k, v in st["spin"].items():
         lines.append(f" spin ({k}){' ' * max(1, 9 - len(k))}: {v}")
     lines.append(f" latency         : {st['latency']}")
+    n = st.get("repeat") or 1
+    lines.append(f" repeats         : {n} per size, interleaved with the other implementations"
+                 + ("; each row is the median repeat (bandwidth: the median)" if n > 1 else "")
+                 + "; a noisy row judges no target")
     return lines
 
 
@@ -218,6 +284,7 @@ def print_transport(doc: dict, out=None) -> None:
     if doc.get("interrupted"):
         pr(" status          : INTERRUPTED: the tables hold what was measured before")
     marked = nobw = False
+    noisy_rows: list[str] = []
     sizes = doc["settings"]["sizes"]
     tables = [b for b in doc["settings"]["backends"] if any(r["backend"] == b and r["impl"] == "moe-transport"
                                                              for r in results)]
@@ -259,6 +326,8 @@ def print_transport(doc: dict, out=None) -> None:
                     line = (f"{head} {r['iters']:>6} {_f(L['min'], 9)} {_f(L['p50'], 9)} {_f(L['avg'], 9)}"
                             f" {_f(L.get('max'), 9)} {_f(L.get('stdev'), 9)} {_f(L['p99'], 9, ok99)}"
                             f" {_f(L['p999'], 9, ok999)} {bw} {_f(rate / 1e6 if rate else None, 9)}")
+                    noisy_rows.extend([f"{label} ({r['backend']}) {human(size)} {fig}: {r['noisy']}"]
+                                      if r.get("noisy") else [])
                     if impl != "moe-transport":
                         ok = ours is not None and ours.get("carried", True) and "error" not in ours
                         lr = ours["lat_us"]["p50"] / L["p50"] if ok and L["p50"] else None
@@ -278,12 +347,21 @@ def print_transport(doc: dict, out=None) -> None:
     if nobw:
         pr("no data: in the descriptor figure a shared-memory slot index is passed and no payload byte moves, "
            "so no bandwidth is claimed (MsgRate stands; the data figure gives the GB/s)")
+    if noisy_rows:
+        pr()
+        pr("noisy rows (the machine was busy while they ran: shown, but they judge no target; rerun with "
+           "more --repeat, or on a quieter machine):")
+        for line in noisy_rows:
+            pr(f"  {line}")
     if doc.get("targets"):
         pr()
-        pr("== targets (a benchmark, never a test; ratios of figures measured in this run)")
+        n = doc["settings"].get("repeat") or 1
+        pr(f"== targets (a benchmark, never a test; ratios of figures measured in this run, "
+           f"{'from the median of ' + str(n) + ' repeats' if n > 1 else 'from one run: --repeat 3 for medians'})")
         for t in doc["targets"]:
-            pr(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['value']} (target {t['op']} {t['limit']}; "
-               f"{t['source']})")
+            verdict = "noisy: not judged" if t["met"] is None else "met" if t["met"] else "MISSED"
+            pr(f"  [{verdict}] {t['target']}: {t['value']} (target {t['op']} {t['limit']}; {t['source']})"
+               + (f"; {t['noisy']}" if t.get("noisy") else ""))
     if doc.get("references"):
         pr()
         pr("== references (NOT measured in this run: quoted figures, for orientation only, no verdict)")
@@ -293,6 +371,13 @@ def print_transport(doc: dict, out=None) -> None:
                     f"{here['one_way_us']:.2f} us" if here else "")
             pr(f"  reference: {ref['what']} {'~' if ref.get('approx') else ''}{ref['value_us']:g} us "
                f"({ref['source']}){cmp_}")
+
+
+def print_plan(backends: list[str], sizes: list[int], figures: list[str], repeat: int, iters: int) -> None:
+    """What the run will measure, before it starts (stderr)."""
+    print(f"plan: backends {', '.join(backends)}; {len(sizes)} sizes ({human(min(sizes))} .. {human(max(sizes))}); "
+          f"figures {', '.join(figures)}; {repeat} repeat(s) of every size, interleaved; up to {iters} round trips "
+          f"per size and implementation", file=sys.stderr, flush=True)
 
 
 def plot_transport(results: list[dict], path: str) -> Optional[str]:
@@ -308,6 +393,8 @@ def plot_transport(results: list[dict], path: str) -> Optional[str]:
     if not figs:
         print("note: nothing measured; no plot", file=sys.stderr)
         return None
+    from .plotstyle import colour, linestyle
+
     fig, axes = plt.subplots(len(figs), 2, figsize=(12, 4.5 * len(figs)), squeeze=False)
     for row, figure in enumerate(figs):
         ax1, ax2 = axes[row]
@@ -315,19 +402,24 @@ def plot_transport(results: list[dict], path: str) -> Optional[str]:
         for key in sorted({(r["impl"], r["backend"]) for r in rs_fig}):
             rs = sorted((r for r in rs_fig if (r["impl"], r["backend"]) == key), key=lambda r: r["size"])
             xs = [r["size"] for r in rs]
-            style = "-o" if key[0] == "moe-transport" else "--."
+            style = dict(color=colour(key[0]), ls=linestyle(key[1]), marker="o" if key[0] == "moe-transport" else ".",
+                         lw=2.0 if key[0] == "moe-transport" else 1.2)
             name = f"{rs[0].get('label', key[0])} ({key[1]})"
-            ax1.plot(xs, [r["lat_us"]["p50"] for r in rs], style, label=name)
+            ax1.plot(xs, [r["lat_us"]["p50"] for r in rs], label=name, **style)
             bw = [(r["size"], r["bw_gbps"]) for r in rs if r.get("bw_gbps")]
             if bw:
-                ax2.plot([x for x, _ in bw], [y for _, y in bw], style, label=name)
+                ax2.plot([x for x, _ in bw], [y for _, y in bw], label=name, **style)
         for ax, title in ((ax1, "one-way t_typical (usec, half RTT)"), (ax2, "streaming bandwidth (GB/s)")):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("message size (bytes)")
             ax.set_title(f"{figure}: {title}", fontsize=10)
             ax.grid(True, which="both", alpha=0.3)
-        ax1.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+            else:
+                ax.text(0.5, 0.5, "no bandwidth claimed: no payload byte moves", ha="center", va="center",
+                        transform=ax.transAxes, fontsize=8)
     fig.suptitle("moe-bench transport: descriptor (payload untouched) and data (every byte written and read)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

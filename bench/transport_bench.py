@@ -304,7 +304,7 @@ def settings_of(args, backends, sizes, iters, figures) -> dict:
             "stream": {"bursts": BURSTS, "messages": (f"{args.stream_count}" if args.stream_count else
                                                       "64 MiB / size per burst, 50 .. 5000"),
                        "bandwidth": "mean over the bursts (bw_peak_gbps: the fastest burst)"},
-            "slot_size": args.slot_size, "nslots": 8,
+            "slot_size": args.slot_size, "nslots": 8, "repeat": getattr(args, "repeat", 1),
             "pinning": None if args.pin is None else {"client_cpu": args.pin[0], "server_cpu": args.pin[1]},
             "affinity": affinity, "spin": spin_settings(backends), "peers": not args.no_peers,
             "latency": "one-way = half the round trip (perftest's convention), usec",
@@ -338,6 +338,7 @@ def run(args: argparse.Namespace) -> int:
     if args.pin is not None:
         old_affinity = os.sched_getaffinity(0)
         os.sched_setaffinity(0, {args.pin[0]})
+    report.print_plan(backends, sizes, figures, args.repeat, iters)
     progress = report.Progress(total=len(backends) * len(sizes))
     measured: set = set()  # (impl, medium, figure, size) of the shared peers already measured
     try:
@@ -367,29 +368,33 @@ def run(args: argparse.Namespace) -> int:
                         p.stop()
                         dead[id(p)] = why
                         started.append(p)
+                def one(p: peers.Peer, size: int, fig: str) -> dict:
+                    if id(p) in dead:
+                        return failed(p.impl, p.backend, p.label, fig, size, dead[id(p)])
+                    if not p.carries(size):
+                        return not_carried(p, fig, size)
+                    try:
+                        return measure(p, size, iters, fig, args.warmup_iters, args.stream_count)
+                    except (Exception) as e:  # the peer is unusable now: report, stop it, go on
+                        why = f"{type(e).__name__}: {e}"
+                        print(f"{p.label} ({p.backend}) {report.human(size)} {fig}: failed: {why}",
+                              file=sys.stderr, flush=True)
+                        dead[id(p)] = why
+                        p.stop()
+                        return failed(p.impl, p.backend, p.label, fig, size, why)
+
                 for size in sizes:
                     for fig in figures:
-                        for p in started:
-                            key = (p.impl, p.backend, fig, size)
-                            if p.impl in SHARED and key in measured:
-                                continue
-                            if id(p) in dead:
-                                rec = failed(p.impl, p.backend, p.label, fig, size, dead[id(p)])
-                            elif not p.carries(size):
-                                rec = not_carried(p, fig, size)
-                            else:
-                                try:
-                                    rec = measure(p, size, iters, fig, args.warmup_iters, args.stream_count)
-                                except (Exception) as e:  # the peer is unusable now: report, stop it, go on
-                                    why = f"{type(e).__name__}: {e}"
-                                    print(f"{p.label} ({p.backend}) {report.human(size)} {fig}: failed: {why}",
-                                          file=sys.stderr, flush=True)
-                                    dead[id(p)] = why
-                                    p.stop()
-                                    rec = failed(p.impl, p.backend, p.label, fig, size, why)
-                            results.append(rec)
+                        todo = [p for p in started
+                                if not (p.impl in SHARED and (p.impl, p.backend, fig, size) in measured)]
+                        reps: dict = {id(p): [] for p in todo}
+                        for _ in range(args.repeat):  # interleaved: the machine's noise hits every one alike
+                            for p in todo:
+                                reps[id(p)].append(one(p, size, fig))
+                        for p in todo:
+                            results.append(report.combine_repeats(reps[id(p)]))
                             if p.impl in SHARED:
-                                measured.add(key)
+                                measured.add((p.impl, p.backend, fig, size))
                         if backend == "rdma" and fig == "descriptor" and not args.no_peers:
                             # perftest carries what the device does: the bare loop learnt its max_msg_sz
                             floor = next((p for p in started if p.impl == "raw" and id(p) not in dead), None)

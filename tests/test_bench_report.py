@@ -153,7 +153,7 @@ def test_printed_tables_columns_ratios_marks_targets_and_references():
     big = next(line for line in text.splitlines() if line.split()[:2] == ["1048576", "bare"])
     assert big.count("*") == 2
     assert "too few samples" in text
-    # issue 15's shm targets, from figures of this run
+    # the shared-memory targets, from figures of this run
     t = {x["target"]: x for x in doc["targets"]}
     handoff = t["shm descriptor one-way t_typical at 4 KiB / bare slot-index handoff (same run)"]
     assert handoff["value"] == pytest.approx(8.0) and handoff["limit"] == 10.0 and handoff["met"]
@@ -300,3 +300,77 @@ def test_shm_run_both_figures_and_no_bandwidth_claimed_for_a_slot_index(tmp_path
             assert x["bw_gbps"] > 0 and x["lat_us"]["samples"] == 30
         assert res[("pyzmq", "ipc", "descriptor", size)]["bw_gbps"] > 0  # a socket's kernel does move the bytes
     assert "no data" in p.stdout and "pyzmq ipc" in p.stdout
+
+
+# -- repeats, noise and verdicts -------------------------------------------------------------
+def test_a_verdict_comes_from_the_median_repeat_and_a_noisy_row_judges_nothing():
+    """Three repeats of each row: the row is the median one; a row whose repeats disagree
+    (one ran while the machine was busy) or whose own t_typical is far above its t_min is
+    flagged noisy, and a target reading it says so instead of MISSED."""
+    def reps(impl, size, p50s, label=None):
+        return R.combine_repeats([_rec(impl, "shm", "descriptor", size, v, None, label) for v in p50s])
+
+    steady = reps("moe-transport", 64, [4.0, 4.1, 3.9])
+    assert steady["lat_us"]["p50"] == pytest.approx(4.0) and steady["noisy"] is None
+    assert steady["repeats"]["n"] == 3 and sorted(steady["repeats"]["lat_p50_us"]) == pytest.approx([3.9, 4.0, 4.1])
+    one_busy = reps("moe-transport", 1 << 20, [4.4, 1974.0, 4.5])  # one busy repeat: the median stands
+    assert one_busy["lat_us"]["p50"] == pytest.approx(4.5) and one_busy["noisy"] is None
+    two_busy = reps("moe-transport", 1 << 20, [4.4, 1974.0, 900.0])  # no two agree: nothing to judge by
+    assert two_busy["lat_us"]["p50"] == pytest.approx(900.0) and "no majority within" in two_busy["noisy"]
+    # one run whose median sat far above its minimum (t_min 22 us, t_typical 1974 us)
+    tail = _rec("moe-transport", "shm", "descriptor", 16 << 20, 1974.0, None)
+    tail["lat_us"] = lat_stats(np.r_[np.full(10, 22.0), np.full(90, 1974.0)])
+    tail = R.combine_repeats([tail])
+    assert "x its t_min 22.0 us" in tail["noisy"]
+    res = [steady, two_busy, tail, reps("raw", 4096, [0.5, 0.5, 0.5], "bare slot handoff"),
+           reps("moe-transport", 4096, [4.0, 4.0, 4.0])]
+    doc = _doc(res, sizes=(64, 4096, 1 << 20, 16 << 20), figures=("descriptor",))
+    doc["settings"]["repeat"] = 3
+    t = {x["target"]: x for x in doc["targets"]}
+    assert t["shm descriptor one-way t_typical at 4 KiB / bare slot-index handoff (same run)"]["met"] is True
+    for big in ("1 MiB", "16 MiB"):
+        x = t[f"shm descriptor t_typical at {big} / at 64 B"]
+        assert x["met"] is None and x["noisy"] and x["repeats"] in (1, 3)
+    # the same run with only one busy repeat at 1 MiB: judged, from the median
+    calm = _doc([steady, one_busy], sizes=(64, 1 << 20), figures=("descriptor",))
+    x = {x["target"]: x for x in calm["targets"]}["shm descriptor t_typical at 1 MiB / at 64 B"]
+    assert x["met"] is True and x["value"] == pytest.approx(4.5 / 4.0, rel=1e-3) and x["noisy"] is None
+    out = io.StringIO()
+    R.print_transport(doc, out)
+    text = out.getvalue()
+    assert "[noisy: not judged] shm descriptor t_typical at 1 MiB / at 64 B" in text
+    assert "[MISSED]" not in text and "from the median of 3 repeats" in text
+    assert "noisy rows" in text and "issue" not in text.lower()
+
+
+def test_the_plot_has_a_legend_on_every_panel_and_one_colour_per_implementation(tmp_path, monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    seen = []
+    real = Figure.savefig
+
+    def capture(self, *a, **k):
+        seen.append(self)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Figure, "savefig", capture)
+    res = []
+    for backend, zmq in (("shm", "ipc"), ("tcp", "tcp")):
+        for fig in ("descriptor", "data"):
+            for size in (64, 4096, 1 << 20):
+                res += [_rec("moe-transport", backend, fig, size, 4.0, 2.0), _rec("raw", backend, fig, size, 1.0, 4.0),
+                        _rec("pyzmq", zmq, fig, size, 40.0, 1.0, "pyzmq"), _rec("pipe", "pipe", fig, size, 30.0, 1.0)]
+    path = str(tmp_path / "t.png")
+    assert R.plot_transport(res, path) == path
+    (figure,) = seen
+    colours: dict = {}
+    for ax in figure.axes:
+        assert ax.get_legend() is not None, ax.get_title()
+        for line in ax.get_lines():
+            impl = line.get_label().split(" (")[0]
+            colours.setdefault(impl, set()).add(line.get_color())
+    assert set(colours) >= {"moe-transport", "raw", "pyzmq", "pipe"}
+    assert all(len(c) == 1 for c in colours.values()), colours  # one colour each, on every panel
+    assert len({next(iter(c)) for c in colours.values()}) == len(colours)  # and no two alike
