@@ -56,23 +56,22 @@ def log(msg: str) -> None:
     print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-# -- process probes ------------------------------------------------------------------------------
-def _rss_kb(pid: int) -> Optional[int]:
+# -- process probes (psutil: None for a process that is gone) -----------------------------------
+def _proc(pid: int, what):
+    import psutil
+
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
+        return what(psutil.Process(pid))
+    except psutil.Error:
         return None
-    return None
+
+
+def _rss_kb(pid: int) -> Optional[int]:
+    return _proc(pid, lambda p: p.memory_info().rss // 1024)
 
 
 def _fds(pid: int) -> Optional[int]:
-    try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return None
+    return _proc(pid, lambda p: p.num_fds())
 
 
 def _dev_shm() -> list:
@@ -83,11 +82,7 @@ def _dev_shm() -> list:
 
 
 def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
+    return _proc(pid, lambda p: [c.pid for c in p.children()]) or []
 
 
 # -- outcomes -----------------------------------------------------------------------------------

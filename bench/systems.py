@@ -24,17 +24,18 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 SYSTEMS = ("moe-transport", "reference", "multiprocessing", "ray")
-_TICK = os.sysconf("SC_CLK_TCK")
 
 
 def proc_cpu_seconds(pid: int) -> Optional[float]:
-    """utime + stime of a local process (and its reaped children), from /proc."""
+    """User + system CPU seconds of a local process (its children's not included); None
+    when it is gone."""
+    import psutil
+
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        t = psutil.Process(pid).cpu_times()
+    except psutil.Error:
         return None
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    return t.user + t.system
 
 
 class System:

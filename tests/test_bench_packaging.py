@@ -25,7 +25,7 @@ def _names(reqs: list) -> set:
 
 def test_bench_extra_does_not_drag_ray_in():
     ex = _extras()
-    assert _names(ex["bench"]) == {"pyzmq", "hdrhistogram", "rich", "matplotlib"}
+    assert _names(ex["bench"]) == {"pyzmq", "hdrhistogram", "rich", "matplotlib", "psutil"}
     assert _names(ex["ray"]) == {"ray"}
 
 
