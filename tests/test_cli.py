@@ -134,9 +134,9 @@ def test_help_shows_each_default_once_and_no_internal_reference():
             if a.required:
                 assert "default" not in h, (cmd, a.option_strings, h)
         assert not re.search(r"\bissue\b|\w+/\w+\.py\b", text), (cmd, re.findall(r".*(?:issue|\.py).*", text))
-        if cmd not in ("moe-gateway update advance", "moe-gateway update finish", "moe-gateway update rollback",
-                       "moe-gateway update status"):
-            assert text.count("\n  moe-") + text.count("\n  python -m") >= 2, (cmd, "two examples at least")
+        examples = text.count("\n  moe-") + text.count("\n  python -m")
+        # two or three a command; an update action, whose flags are few, may show one
+        assert examples >= (1 if cmd.startswith("moe-gateway update ") else 2), (cmd, examples)
 
 
 @pytest.mark.parametrize("argv", [

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.timeout(600)
 # -- the parsers, built once ------------------------------------------------------------------
 GATEWAY_UPDATE = ["update", "--gateway", "tcp://127.0.0.1:1"]
 START = ["start", "--experts", "1", "--new-version", "1", "--seed", "1"]
+SETTLE = ["--experts", "1", "--served-version", "1"]
 
 
 @lru_cache(maxsize=None)
@@ -52,7 +53,7 @@ def commands() -> list[tuple[str, argparse.ArgumentParser, list[str], list[str]]
     out.append(("moe-gateway update", update, GATEWAY_UPDATE[:1], ["status"]))
     for name, sub in subparsers(update).items():
         out.append((f"moe-gateway update {name}", sub, [*GATEWAY_UPDATE, name],
-                    START[1:] if name == "start" else []))
+                    START[1:] if name == "start" else SETTLE if name == "settle" else []))
     for name, sub in subparsers(bench).items():
         out.append((f"moe-bench {name}", sub, [name], []))
     return out
