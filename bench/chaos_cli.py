@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--update-gap", type=seconds_pair, default=(0.5, 2.0),
                    help="with --updates: pause between update commands, drawn in [LO, HI]")
     p.add_argument("--seed", type=n, default=0, help="layer weights, tokens and the chaos schedule")
-    p.add_argument("--secret-file", default=None, type=options.existing_file,
+    p.add_argument("--secret-file", default=None, type=options.file_path,
                    help="shared secret (default: a fresh 0600 temporary file)")
     p.add_argument("--log-dir", default=None, metavar="DIR", help="write the services' stderr here (default: discard)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the full report as JSON")

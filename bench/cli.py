@@ -56,13 +56,16 @@ def parse(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.Argume
     ``parser``: build_parser()'s, to reuse it."""
     from transport.service.options import UsageError
 
+    from transport.service.options import check_paths
+
     args = (parser or build_parser()).parse_args(argv)
     validate = getattr(args._module, "validate", None)
-    if validate is not None:
-        try:
+    try:
+        check_paths(args, args._parser)
+        if validate is not None:
             validate(args)
-        except UsageError as e:
-            args._parser.error(str(e))
+    except UsageError as e:
+        args._parser.error(str(e))
     return args
 
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(600)
 # -- the parsers, built once ------------------------------------------------------------------
 GATEWAY_UPDATE = ["update", "--gateway", "tcp://127.0.0.1:1"]
 START = ["start", "--experts", "1", "--new-version", "1", "--seed", "1"]
-SETTLE = ["--experts", "1", "--served-version", "1"]
+SETTLE = ["--experts", "1", "--serve-version", "1"]
 
 
 @lru_cache(maxsize=None)
@@ -121,7 +121,7 @@ def strategy(a: argparse.Action):
         "fraction": floats_outside(0.0, 1.0), "ms_as_seconds": floats_outside(0.0),
         "url": bad_urls, "url_list": st.one_of(bad_urls, bad_urls.map(lambda u: f"tcp://127.0.0.1:5,{u}")),
         "int_list": bad_ids, "floats": bad_floats, "host": st.sampled_from(["a b", "a/b", "-x", "x..y", "?", ""]),
-        "existing_dir": missing_path, "existing_file": missing_path,
+        "directory": st.one_of(missing_path, st.just("")), "file_path": st.one_of(missing_path, st.just("")),
         "chunk_rows_flag": st.one_of(words.filter(lambda s: s.strip() not in ("auto", "off")), negative),
         "_sizes": st.one_of(words, st.sampled_from(["-1", "1Q", "4KK", ""])), "parse_size": words,
         "_figures": st.one_of(words, st.just("descriptor,what")),

@@ -224,7 +224,7 @@ def test_a_worker_of_another_checkpoint_is_refused(saved):
         argv = [sys.executable, "-m", "gateway.cli", "--listen", "tcp://127.0.0.1:0", "--workers", workers[0].url,
                 "--checkpoint", b, "--connect-timeout", "5"]
         r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2
+    assert r.returncode == 1  # the flags are fine; the workers met at run time disagree
     assert "do not read the same checkpoint" in r.stderr and "layer 0" in r.stderr, r.stderr
 
 

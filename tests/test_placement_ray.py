@@ -168,7 +168,9 @@ def test_gateway_flags(tmp_path):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--ray-strategy", "scatter"])
     # Ray starts the workers: a --workers list besides is a contradiction, said before any Ray call
-    assert main(["--placement", "ray", "--workers", "tcp://127.0.0.1:1", "--d-model", "8"]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["--placement", "ray", "--workers", "tcp://127.0.0.1:1", "--d-model", "8"])
+    assert e.value.code == 2  # a usage error, from the parse-and-check, before anything starts
 
 
 BLOCK_RAY = r"""

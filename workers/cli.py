@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transport URL to listen on: tcp://HOST:PORT (port 0: any free one), shm://NAME, "
                         "rdma://IP:PORT")
     m = p.add_argument_group("experts")
-    m.add_argument("--checkpoint", default=None, type=options.existing_dir,
+    m.add_argument("--checkpoint", default=None, type=options.directory,
                    help="serve experts of this Hugging Face checkpoint (config.json + *.safetensors); only "
                         "the listed experts of the listed layers are read")
     m.add_argument("--layers", default=None, type=options.int_list,
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--compute", default="numpy", choices=["numpy", "torch"],
                    help="expert kernel: numpy (float32 BLAS) or torch (bf16 where the CPU has bf16 matrix "
                         "units, else float32; needs the [torch] extra)")
-    m.add_argument("--weights", default=None, metavar="NPZ", type=options.existing_file,
+    m.add_argument("--weights", default=None, metavar="NPZ", type=options.file_path,
                    help=".npz of expert weights, as SwiGLUExpert.save_many writes (default: demo weights "
                         "from --seed)")
     m.add_argument("--d-model", type=options.positive, default=256, help="model width (demo weights)")
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-experts", type=options.positive, default=None, metavar="N",
                    help="physical expert copies this worker may host: a gateway that moves or replicates "
                         "experts (--eplb) adds copies up to this many (default: twice the experts it starts with)")
-    m.add_argument("--update-dir", default=None, type=options.existing_dir,
+    m.add_argument("--update-dir", default=None, type=options.directory,
                    help="hot update reads new weight files only from this directory (default: none, so "
                         "only seed updates)")
     t = p.add_argument_group("transport")
@@ -238,6 +238,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.A
     p = parser or build_parser()
     args = p.parse_args(argv)
     try:
+        options.check_paths(args, p)
         validate(args)
     except UsageError as e:
         p.error(str(e))

@@ -286,18 +286,30 @@ def _host(text: str) -> str:
 host = _named(_host, "host", "HOST")
 
 
-def _existing(kind: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        ok = os.path.isdir(text) if kind == "directory" else os.path.isfile(text)
+def _path(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got ''")
+    return text
+
+
+# a directory or a file this command reads: parsing takes any path (a recipe for another
+# host parses here); check_paths() refuses a missing one before the command starts
+directory = _named(lambda text: _path(text), "directory", "DIR")
+file_path = _named(lambda text: _path(text), "file_path", "PATH")
+
+
+def check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """UsageError for a directory or file flag (types :data:`directory`, :data:`file_path`)
+    given a path that is not one."""
+    for a in parser._actions:
+        kind = {"directory": "directory", "file_path": "file"}.get(getattr(a.type, "__name__", ""))
+        value = getattr(args, a.dest, None)
+        if kind is None or not isinstance(value, str):
+            continue
+        ok = os.path.isdir(value) if kind == "directory" else os.path.isfile(value)
         if not ok:
-            why = "does not exist" if not os.path.exists(text) else f"is not a {kind}"
-            raise argparse.ArgumentTypeError(f"{text!r} {why}")
-        return text
-    return parse
-
-
-existing_dir = _named(_existing("directory"), "existing_dir", "DIR")
-existing_file = _named(_existing("file"), "existing_file", "PATH")
+            why = "does not exist" if not os.path.exists(value) else f"is not a {kind}"
+            raise UsageError(f"{max(a.option_strings, key=len)} {value}: {why}")
 
 
 def alias(p: argparse._ActionsContainer, old: str, new: str, **kwargs: Any) -> None:
@@ -318,7 +330,7 @@ def add_security(p: argparse._ActionsContainer, *, service: bool, **defaults: An
     """--secret-file and --insecure (a service: serve without a secret; a client: connect
     without one). ``defaults`` override the flags' defaults (argparse.SUPPRESS on a
     subcommand whose parent has them too)."""
-    p.add_argument("--secret-file", default=defaults.get("secret_file"), type=existing_file,
+    p.add_argument("--secret-file", default=defaults.get("secret_file"), type=file_path,
                    help="file holding the shared secret both ends prove at connect time (HMAC); "
                         "default: $MOE_SECRET_FILE, else the per-user default file "
                         "(~/.config/moe-transport/secret)")
