@@ -7,6 +7,8 @@ import sys
 import time
 from typing import Any, Optional
 
+import numpy as np
+
 from .stats import MARK, footnote
 
 FIGURE_TITLE = {"descriptor": "descriptor round trip (payload not touched)",
@@ -107,14 +109,23 @@ def combine_repeats(recs: list[dict]) -> dict:
     order = sorted(ok, key=lambda r: r["lat_us"]["p50"])
     rec = dict(order[(len(order) - 1) // 2])
     p50s = [r["lat_us"]["p50"] for r in ok]
-    rec["repeats"] = {"n": len(ok), "lat_p50_us": p50s}
+    rec["repeats"] = {"n": len(ok), "lat_p50_us": p50s, "spread": {"lat": spread(p50s, rec["lat_us"]["p50"])}}
     for key in ("bw_gbps", "msg_rate"):
         vals = [r[key] for r in ok if r.get(key) is not None]
         if len(vals) == len(ok) and len(ok) > 1:
             rec[key] = float(statistics.median(vals))
             rec["repeats"][key] = vals
+            rec["repeats"]["spread"][key] = spread(vals, rec[key])
     rec["noisy"] = noise(rec)
     return rec
+
+
+def spread(values: list, median: float) -> float:
+    """How far the repeats that agree with the median (within NOISY_SPREAD of it) are from
+    each other, as max / min (1.0: one repeat, or all alike): the scatter a verdict must
+    clear."""
+    agree = [v for v in values if v > 0 and median > 0 and max(v, median) / min(v, median) <= NOISY_SPREAD]
+    return max(agree) / min(agree) if len(agree) > 1 else 1.0
 
 
 def noise(rec: dict) -> Optional[str]:
@@ -136,8 +147,9 @@ def noise(rec: dict) -> Optional[str]:
 
 def targets(results: list[dict]) -> list[dict]:
     """moe-transport's targets, judged on what this run measured (a benchmark, never a
-    test), each from the median repeat of its rows; a target whose rows are noisy is
-    reported with ``met`` None and ``noisy`` saying why, not judged."""
+    test), each from the median repeat of its rows, and only where the rows' scatter over
+    the repeats cannot flip the verdict; otherwise ``met`` is None and ``noisy`` says why
+    (a noisy row, or too close to call). ``range``: the ratio's span given that scatter."""
     idx = _index(results)
     out: list[dict] = []
 
@@ -147,16 +159,27 @@ def targets(results: list[dict]) -> list[dict]:
     def lat(r):
         return r["lat_us"]["p50"] if r else None
 
-    def target(name, rn, rd, value, limit, op, source):
+    def target(name, rn, rd, value, limit, op, source, keys=("lat", "lat")):
         num, den = value(rn), value(rd)
         if num is None or not den:
             return
         v = num / den
         noisy = "; ".join(f"{r.get('label') or r['impl']} ({r['backend']}) at {human(r['size'])}: {r['noisy']}"
                           for r in (rn, rd) if r.get("noisy"))
-        out.append({"target": name, "value": round(v, 3), "limit": limit, "op": op,
-                    "met": None if noisy else bool(v <= limit if op == "<=" else v >= limit), "source": source,
-                    "noisy": noisy or None, "repeats": min(r.get("repeats", {}).get("n", 1) for r in (rn, rd))})
+        # the ratio may be off by the two rows' scatter: a verdict only where that cannot flip it
+        u = float(np.prod([r.get("repeats", {}).get("spread", {}).get(k, 1.0) for r, k in zip((rn, rd), keys)]))
+        lo, hi = v / u, v * u
+        met = (hi <= limit if op == "<=" else lo >= limit) or None
+        if met is None and (lo > limit if op == "<=" else hi < limit):
+            met = False
+        if noisy:
+            met = None
+        elif met is None:
+            noisy = (f"too close to call: the repeats' scatter (x{u:.2f}) puts it anywhere in {lo:.3f}..{hi:.3f}; "
+                     f"more --repeat narrows it")
+        out.append({"target": name, "value": round(v, 3), "limit": limit, "op": op, "met": met, "source": source,
+                    "noisy": noisy or None, "range": [round(lo, 3), round(hi, 3)],
+                    "repeats": min(r.get("repeats", {}).get("n", 1) for r in (rn, rd))})
 
     bw = lambda r: r.get("bw_gbps") if r else None  # noqa: E731
     wbw = lambda r: r.get("write_bw_gbps") if r else None  # noqa: E731
@@ -172,7 +195,7 @@ def targets(results: list[dict]) -> list[dict]:
             target("tcp descriptor t_typical at 4 KiB / raw socket", row("moe-transport", "tcp", 4096),
                    row("raw", "tcp", 4096), lat, 1.25, "<=", "TCP latency target")
             target("tcp descriptor bandwidth at 1 MiB / raw socket", row("moe-transport", "tcp", 1 << 20),
-                   row("raw", "tcp", 1 << 20), bw, 0.9, ">=", "TCP bandwidth target")
+                   row("raw", "tcp", 1 << 20), bw, 0.9, ">=", "TCP bandwidth target", ("bw_gbps", "bw_gbps"))
         if b == "rdma":
             for s in (64, 4096):
                 target(f"rdma descriptor t_typical at {human(s)} / bare pyverbs loop", row("moe-transport", "rdma", s),
@@ -180,7 +203,7 @@ def targets(results: list[dict]) -> list[dict]:
             rn, rp = row("moe-transport", "rdma", 1 << 20), row("perftest", "rdma", 1 << 20)
             if bw(rn) is not None and wbw(rp):
                 target("rdma bandwidth at 1 MiB / ib_write_bw", rn, rp, lambda r: bw(r) if r is rn else wbw(r),
-                       0.9, ">=", "RDMA bandwidth target")
+                       0.9, ">=", "RDMA bandwidth target", ("bw_gbps", "write_bw_gbps"))
         _zmq_target(out, b, idx, row, lat)
     return out
 
@@ -191,12 +214,18 @@ def _zmq_target(out: list, b: str, idx: dict, row, lat) -> None:
     pairs = [(s, ours, z) for s, ours, z in pairs if lat(ours) and lat(z)]
     if not pairs:
         return
-    clean = [(s, lat(o) / lat(z)) for s, o, z in pairs if not o.get("noisy") and not z.get("noisy")]
+    def u(r):
+        return r.get("repeats", {}).get("spread", {}).get("lat", 1.0)
+
+    clean = [(lat(o) / lat(z), u(o) * u(z)) for s, o, z in pairs if not o.get("noisy") and not z.get("noisy")]
     left = [human(s) for s, o, z in pairs if o.get("noisy") or z.get("noisy")]
-    worst = max((v for _, v in clean), default=max(lat(o) / lat(z) for _, o, z in pairs))
+    worst, scatter = max(clean, default=(max(lat(o) / lat(z) for _, o, z in pairs), 1.0))
+    met = None if not clean else True if worst * scatter < 1.0 else False if worst / scatter >= 1.0 else None
+    why = [f"noisy sizes left out: {', '.join(left)}"] if left else []
+    if clean and met is None:
+        why.append(f"too close to call: the repeats' scatter (x{scatter:.2f}) spans the target")
     out.append({"target": f"{b} descriptor worst t_typical / pyzmq over all sizes", "value": round(worst, 3),
-                "limit": 1.0, "op": "<", "met": bool(worst < 1.0) if clean else None,
-                "source": "against pyzmq", "noisy": (f"noisy sizes left out: {', '.join(left)}" if left else None),
+                "limit": 1.0, "op": "<", "met": met, "source": "against pyzmq", "noisy": "; ".join(why) or None,
                 "repeats": min(min(o.get("repeats", {}).get("n", 1), z.get("repeats", {}).get("n", 1))
                                for _, o, z in pairs)})
 
@@ -359,7 +388,8 @@ def print_transport(doc: dict, out=None) -> None:
         pr(f"== targets (a benchmark, never a test; ratios of figures measured in this run, "
            f"{'from the median of ' + str(n) + ' repeats' if n > 1 else 'from one run: --repeat 3 for medians'})")
         for t in doc["targets"]:
-            verdict = "noisy: not judged" if t["met"] is None else "met" if t["met"] else "MISSED"
+            verdict = ("met" if t["met"] else "MISSED") if t["met"] is not None else \
+                "too close to call" if (t.get("noisy") or "").startswith("too close") else "noisy: not judged"
             pr(f"  [{verdict}] {t['target']}: {t['value']} (target {t['op']} {t['limit']}; {t['source']})"
                + (f"; {t['noisy']}" if t.get("noisy") else ""))
     if doc.get("references"):

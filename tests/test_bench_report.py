@@ -313,8 +313,8 @@ def test_a_verdict_comes_from_the_median_repeat_and_a_noisy_row_judges_nothing()
     steady = reps("moe-transport", 64, [4.0, 4.1, 3.9])
     assert steady["lat_us"]["p50"] == pytest.approx(4.0) and steady["noisy"] is None
     assert steady["repeats"]["n"] == 3 and sorted(steady["repeats"]["lat_p50_us"]) == pytest.approx([3.9, 4.0, 4.1])
-    one_busy = reps("moe-transport", 1 << 20, [4.4, 1974.0, 4.5])  # one busy repeat: the median stands
-    assert one_busy["lat_us"]["p50"] == pytest.approx(4.5) and one_busy["noisy"] is None
+    one_busy = reps("moe-transport", 1 << 20, [4.2, 1974.0, 4.25])  # one busy repeat: the median stands
+    assert one_busy["lat_us"]["p50"] == pytest.approx(4.25) and one_busy["noisy"] is None
     two_busy = reps("moe-transport", 1 << 20, [4.4, 1974.0, 900.0])  # no two agree: nothing to judge by
     assert two_busy["lat_us"]["p50"] == pytest.approx(900.0) and "no majority within" in two_busy["noisy"]
     # one run whose median sat far above its minimum (t_min 22 us, t_typical 1974 us)
@@ -334,7 +334,17 @@ def test_a_verdict_comes_from_the_median_repeat_and_a_noisy_row_judges_nothing()
     # the same run with only one busy repeat at 1 MiB: judged, from the median
     calm = _doc([steady, one_busy], sizes=(64, 1 << 20), figures=("descriptor",))
     x = {x["target"]: x for x in calm["targets"]}["shm descriptor t_typical at 1 MiB / at 64 B"]
-    assert x["met"] is True and x["value"] == pytest.approx(4.5 / 4.0, rel=1e-3) and x["noisy"] is None
+    assert x["met"] is True and x["value"] == pytest.approx(4.25 / 4.0, rel=1e-3) and x["noisy"] is None
+    assert x["range"][1] <= 1.2  # the scatter of the agreeing repeats (4.2..4.25, 3.9..4.1) cannot flip it
+    # repeats that agree (within 1.5x) but scatter more than the target's margin: too close to call
+    wide = reps("moe-transport", 1 << 20, [4.0, 4.8, 5.6])  # 5.6 / 4.0 = 1.4x; 4.8 / 4.0 = 1.2
+    x = {x["target"]: x for x in _doc([steady, wide], sizes=(64, 1 << 20), figures=("descriptor",))["targets"]}
+    close = x["shm descriptor t_typical at 1 MiB / at 64 B"]
+    assert wide["noisy"] is None and close["met"] is None and close["noisy"].startswith("too close to call")
+    assert close["range"][0] < 1.2 < close["range"][1]
+    far = reps("moe-transport", 1 << 20, [8.0, 9.0, 10.0])  # 2.25x the 64 B row: MISSED whatever the scatter
+    x = {x["target"]: x for x in _doc([steady, far], sizes=(64, 1 << 20), figures=("descriptor",))["targets"]}
+    assert x["shm descriptor t_typical at 1 MiB / at 64 B"]["met"] is False
     out = io.StringIO()
     R.print_transport(doc, out)
     text = out.getvalue()
