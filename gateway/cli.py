@@ -414,6 +414,11 @@ def serve_main(args) -> int:
             server.local.close()
 
 
+def subparsers(p: argparse.ArgumentParser) -> dict:
+    """{command: parser} of ``p``'s subcommands."""
+    return next((dict(a.choices) for a in p._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+
 def make_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """(moe-gateway's parser, its `update` subcommand's)."""
     p = build_parser()
@@ -429,16 +434,16 @@ def parse_args(argv: Optional[Sequence[str]] = None, parsers=None) -> argparse.N
     (exit 2 with one line on a mistake); ``parsers``: make_parser()'s, to reuse them."""
     p, update = parsers or make_parser()
     args = p.parse_args(argv)
-    at = update if args.command == "update" else p
+    at = update if args.command == "update" else subparsers(p).get(args.command, p)
     try:
         options.check_paths(args, at)
         if args.command not in ("update", "placement", "workers"):
             validate(args)
-        elif args.command == "update" and getattr(args, "gateway", None) is None:
+        elif getattr(args, "gateway", None) is None:
             raise UsageError("--gateway URL is required: the running gateway's client URL, e.g. tcp://127.0.0.1:7000")
     except UsageError as e:
         at.error(str(e))
-    if args.command == "update":
+    if args.command in ("update", "placement", "workers"):
         args.timeout = getattr(args, "timeout", UPDATE_TIMEOUT)
     return args
 

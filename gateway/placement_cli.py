@@ -24,62 +24,77 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("expert placement (EPLB: copies follow the load)")
     g.add_argument("--eplb", action="store_true",
                    help="move and replicate expert copies live from the measured load (DeepSeek's EPLB)")
-    g.add_argument("--redundant-experts", type=int, default=0, metavar="N",
+    g.add_argument("--redundant-experts", type=options.count, default=0, metavar="N",
                    help="with --eplb: routed copies beyond one per logical expert, per layer, spread over the "
                         "workers' free slots (their --max-experts)")
-    g.add_argument("--eplb-window", type=float, default=60.0, metavar="SECONDS",
+    g.add_argument("--eplb-window", type=options.positive_seconds, default=60.0,
                    help="per-expert load is counted over this many seconds of routing")
-    g.add_argument("--eplb-interval", type=float, default=60.0, metavar="SECONDS",
+    g.add_argument("--eplb-interval", type=options.positive_seconds, default=60.0,
                    help="with --eplb: how often the placement is recomputed")
-    g.add_argument("--eplb-max-moves", type=int, default=8, metavar="N",
+    g.add_argument("--eplb-max-moves", type=options.positive, default=8, metavar="N",
                    help="copies loaded per move at most, so loading never starves serving")
-    g.add_argument("--placement-file", default=None, metavar="FILE",
+    g.add_argument("--placement-file", default=None, type=options.file_path, metavar="FILE",
                    help="start from this placement (saved by 'moe-gateway placement save'): static EPLB")
 
 
 def add_parsers(sub) -> None:
-    pl = sub.add_parser("placement", formatter_class=options.HelpFormatter,
-                        help="show, save or load the expert placement of a running gateway",
-                        description="The expert placement of a running moe-gateway: which workers hold a "
-                                    "routed copy of each expert, per layer, and how balanced the load is.")
-    _common(pl)
-    acts = pl.add_subparsers(dest="action", required=True, metavar="ACTION")
-    sh = acts.add_parser("show", help="per layer: version, balancedness, copies (expert -> workers)")
-    sh.add_argument("--json", action="store_true", help="the whole document as JSON, for scripts")
-    sv = acts.add_parser("save", help="write the placement to FILE (JSON)")
-    sv.add_argument("file", metavar="FILE")
-    ld = acts.add_parser("load", help="move toward the placement in FILE, live, in bounded moves")
-    ld.add_argument("file", metavar="FILE")
+    from gateway.update_cli import gateway_flags
 
-    wk = sub.add_parser("workers", formatter_class=options.HelpFormatter,
-                        help="list, add, drain, remove or scale the workers of a running gateway",
+    g = "--gateway tcp://127.0.0.1:7000"
+    pl = sub.add_parser("placement", help="show, save or load the expert placement of a running gateway",
+                        description="The expert placement of a running moe-gateway: which workers hold a "
+                                    "routed copy of each expert, per layer, and how balanced the load is.",
+                        epilog=options.examples(f"moe-gateway placement show {g}",
+                                                f"moe-gateway placement save map.json {g}",
+                                                f"moe-gateway placement load map.json {g}"))
+    acts = pl.add_subparsers(dest="action", required=True, metavar="ACTION")
+    pl.usage = "moe-gateway placement --gateway URL [--timeout SECONDS] [--secret-file PATH | --insecure] ACTION ..."
+    sh = acts.add_parser("show", help="per layer: version, balancedness, copies (expert -> workers)",
+                         epilog=options.examples(f"moe-gateway placement show {g}",
+                                                 f"moe-gateway placement show --json {g}"))
+    sh.add_argument("--json", action="store_true", help="the whole document as JSON, for scripts")
+    sv = acts.add_parser("save", help="write the placement to FILE (JSON)",
+                         epilog=options.examples(f"moe-gateway placement save map.json {g}"))
+    sv.add_argument("file", metavar="FILE")
+    ld = acts.add_parser("load", help="move toward the placement in FILE, live, in bounded moves",
+                         epilog=options.examples(f"moe-gateway placement load map.json {g}"))
+    ld.add_argument("file", metavar="FILE")
+    gateway_flags(pl)
+    for q in acts.choices.values():
+        gateway_flags(q)
+
+    wk = sub.add_parser("workers", help="list, add, drain, remove or scale the workers of a running gateway",
                         description="Workers of a running moe-gateway: a new one gets copies by the placement "
-                                    "algorithm before it takes traffic; a drained one hands its copies over first.")
-    _common(wk)
+                                    "algorithm before it takes traffic; a drained one hands its copies over first.",
+                        epilog=options.examples(f"moe-gateway workers list {g}",
+                                                f"moe-gateway workers add tcp://10.0.0.4:5000 {g}",
+                                                f"moe-gateway workers drain 2 {g}"))
     acts = wk.add_subparsers(dest="action", required=True, metavar="ACTION")
-    acts.add_parser("list", help="every worker: state, copies, share of the load (JSON)")
-    add = acts.add_parser("add", help="connect and admit workers listening at these URLs")
-    add.add_argument("urls", nargs="+", metavar="URL")
+    wk.usage = "moe-gateway workers --gateway URL [--timeout SECONDS] [--secret-file PATH | --insecure] ACTION ..."
+    acts.add_parser("list", help="every worker: state, copies, share of the load (JSON)",
+                    epilog=options.examples(f"moe-gateway workers list {g}"))
+    add = acts.add_parser("add", help="connect and admit workers listening at these URLs",
+                          epilog=options.examples(f"moe-gateway workers add tcp://10.0.0.4:5000 {g}"))
+    add.add_argument("urls", nargs="+", metavar="URL", type=options.url)
     for name, what in (("drain", "move its copies to the others (it stays connected, idle)"),
                        ("remove", "drain it, then disconnect it (and stop it, if this gateway started it)")):
-        a = acts.add_parser(name, help=what)
-        a.add_argument("worker", type=int, metavar="ID", help="the worker's index (workers list)")
-    sc = acts.add_parser("scale", help="start or stop workers to have N (--local-workers or --placement ray)")
-    sc.add_argument("n", type=int, metavar="N")
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gateway", required=True, metavar="URL", help="the gateway's client URL")
-    p.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS", help="bound on every wait")
-    options.add_security(p, service=False)
+        a = acts.add_parser(name, help=what, epilog=options.examples(f"moe-gateway workers {name} 2 {g}"))
+        a.add_argument("worker", type=options.count, metavar="ID", help="the worker's index (workers list)")
+    sc = acts.add_parser("scale", help="start or stop workers to have N (--local-workers or --placement ray)",
+                         epilog=options.examples(f"moe-gateway workers scale 3 {g}"))
+    sc.add_argument("n", type=options.positive, metavar="N")
+    gateway_flags(wk)
+    for q in acts.choices.values():
+        gateway_flags(q)
 
 
 def run(args: argparse.Namespace) -> int:
-    """``placement`` or ``workers`` (args.command); exit 0, 1 when the gateway refused or
-    could not be reached, 2 for a bad file."""
+    """``placement`` or ``workers`` (args.command); exit 0; 2 for a bad file or a request the
+    gateway refused as bad (no such worker), 1 when it could not be reached or failed."""
     import transport
     from gateway.client import GatewayClient
-    from transport.service.secrets import SecretError
+    from gateway.update_cli import refusal_code
+    from transport.service import secrets
     from workers.protocol import RemoteError
 
     fields: dict = {}
@@ -94,13 +109,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     action = "show" if args.command == "placement" and args.action == "save" else args.action
     try:
-        with GatewayClient(args.gateway, timeout=args.timeout, secret_file=args.secret_file) as c:
+        with GatewayClient(args.gateway, timeout=args.timeout, secret=None if args.insecure else secrets.FIND,
+                           secret_file=args.secret_file) as c:
             call = c.placement if args.command == "placement" else c.workers
             status = call(action, timeout=args.timeout, **fields)
     except RemoteError as e:
         print(f"moe-gateway {args.command} {args.action}: refused: {e.message}", file=sys.stderr)
+        return refusal_code(e)
+    except secrets.SecretError as e:
+        raise options.UsageError(str(e)) from None
+    except transport.AuthenticationError as e:
+        print(f"moe-gateway {args.command}: {e}", file=sys.stderr)
         return 1
-    except (SecretError, transport.TransportError) as e:
+    except transport.TransportError as e:
         print(f"moe-gateway {args.command}: cannot reach the gateway at {args.gateway}: {e}", file=sys.stderr)
         return 1
     if args.command == "placement" and args.action == "save":

@@ -28,9 +28,10 @@ def parse_floats(text) -> Optional[list[float]]:
 UPDATE_TIMEOUT = 30.0
 
 
-def _update_globals(p: argparse.ArgumentParser) -> None:
-    """The running gateway's flags, on `update` and on each action: accepted before or after
-    the action (SUPPRESS defaults, so one given before is not reset by the action's parser)."""
+def gateway_flags(p: argparse.ArgumentParser) -> None:
+    """The running gateway's flags, on `update` (`placement`, `workers`) and on each action:
+    accepted before or after the action (SUPPRESS defaults, so one given before is not reset
+    by the action's parser)."""
     g = p.add_argument_group("the running gateway (these flags go before or after the action)")
     g.add_argument("--gateway", type=options.url, default=argparse.SUPPRESS,
                    help="the gateway's client URL, e.g. tcp://127.0.0.1:7000 (required)")
@@ -110,9 +111,9 @@ def add_update_parser(sub) -> argparse.ArgumentParser:
     for q in (st, fin, rb):
         q.add_argument("--wait", action="store_true",
                        help="return once the workers acknowledged (loaded, or retired the other version)")
-    _update_globals(p)
+    gateway_flags(p)
     for q in acts.choices.values():
-        _update_globals(q)
+        gateway_flags(q)
     return p
 
 
@@ -161,7 +162,7 @@ def update_main(args) -> int:
                 status = c.update("status")
     except P.RemoteError as e:  # the gateway answered no: a bad request is the user's to fix
         print(f"{prog}: refused: {e.message}", file=sys.stderr)
-        return options.USAGE_ERROR if e.code in (P.BAD_REQUEST, P.UNAUTHORIZED) else options.FAILURE
+        return refusal_code(e)
     except secrets.SecretError as e:
         raise UsageError(str(e)) from None
     except transport.AuthenticationError as e:
@@ -172,3 +173,12 @@ def update_main(args) -> int:
         return options.FAILURE
     print(json.dumps(status))
     return 0 if status.get("state") != "failed" else options.FAILURE
+
+
+def refusal_code(e) -> int:
+    """The exit code of a control request the gateway refused: a bad request (no such
+    expert, worker or version; a control operation without the secret) is the user's to fix
+    (2), anything else failed at run time (1)."""
+    from workers import protocol as P
+
+    return options.USAGE_ERROR if e.code in (P.BAD_REQUEST, P.UNAUTHORIZED) else options.FAILURE

@@ -27,6 +27,9 @@ pytestmark = pytest.mark.timeout(600)
 GATEWAY_UPDATE = ["update", "--gateway", "tcp://127.0.0.1:1"]
 START = ["start", "--experts", "1", "--new-version", "1", "--seed", "1"]
 SETTLE = ["--experts", "1", "--serve-version", "1"]
+ACTION_ARGS = {"update start": START[1:], "update settle": SETTLE, "placement save": ["map.json"],
+               "placement load": ["map.json"], "workers add": ["tcp://127.0.0.1:5000"], "workers drain": ["1"],
+               "workers remove": ["1"], "workers scale": ["2"]}
 
 
 @lru_cache(maxsize=None)
@@ -50,10 +53,12 @@ def commands() -> list[tuple[str, argparse.ArgumentParser, list[str], list[str]]
     the flag under test."""
     (gw, update), worker, bench = parsers()
     out = [("moe-gateway", gw, [], []), ("moe-worker", worker, [], [])]
-    out.append(("moe-gateway update", update, GATEWAY_UPDATE[:1], ["status"]))
-    for name, sub in subparsers(update).items():
-        out.append((f"moe-gateway update {name}", sub, [*GATEWAY_UPDATE, name],
-                    START[1:] if name == "start" else SETTLE if name == "settle" else []))
+    for command, first in (("update", "status"), ("placement", "show"), ("workers", "list")):
+        parent = subparsers(gw)[command]
+        out.append((f"moe-gateway {command}", parent, [command], [first]))
+        for name, sub in subparsers(parent).items():
+            out.append((f"moe-gateway {command} {name}", sub, [command, *GATEWAY_UPDATE[1:], name],
+                        ACTION_ARGS.get(f"{command} {name}", [])))
     for name, sub in subparsers(bench).items():
         out.append((f"moe-bench {name}", sub, [name], []))
     return out
@@ -186,8 +191,8 @@ def test_a_malformed_value_is_a_one_line_usage_error(name, flag, data):
 def test_valid_values_pass_the_same_checks():
     """The property above is not vacuous: the baseline command lines parse."""
     for name, _, before, after in commands():
-        if name == "moe-gateway update":  # the flags under test there include --gateway itself
-            before = GATEWAY_UPDATE
+        if name in ("moe-gateway update", "moe-gateway placement", "moe-gateway workers"):
+            before = [before[0], *GATEWAY_UPDATE[1:]]  # the flags under test there include --gateway itself
         code, err = run_in_process(name, [*before, *after])
         assert code == 0, (name, err)
 

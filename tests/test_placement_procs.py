@@ -187,6 +187,6 @@ def test_workers_added_drained_and_removed_under_load(ref):
                 assert all(0 not in ws for ws in doc["layers"]["0"]["copies"].values())
                 assert doc["workers"][2]["copies"] > 0  # the new worker took some
             refused = cli(gw.url, "workers", "drain", "7", ok=False)
-            assert refused.returncode == 1 and "no worker 7" in refused.stderr
+            assert refused.returncode == 2 and "no worker 7" in refused.stderr  # a bad request: the user's to fix
         finally:
             load.close()
