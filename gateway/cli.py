@@ -46,8 +46,9 @@ EXAMPLES = options.examples(
 def build_parser() -> argparse.ArgumentParser:
     p = options.Parser(prog=PROG, epilog=EXAMPLES,
                        description="Serve a distributed MoE layer over expert workers it starts (--local-workers, "
-                                   "--placement ray) or finds running (--workers). `moe-gateway update --help` "
-                                   "drives a hot update of a running gateway.")
+                                   "--placement ray) or finds running (--workers). The commands below drive a running "
+                                   "gateway: hot updates (update), the expert placement (placement), its workers "
+                                   "(workers).")
     p.add_argument("--listen", default="tcp://127.0.0.1:0", type=options.url,
                    help="client-facing transport URL: tcp://HOST:PORT (port 0: any free one), shm://NAME, "
                         "rdma://IP:PORT")
