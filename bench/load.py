@@ -583,9 +583,9 @@ def _lengths(args, rng: np.random.Generator) -> tuple[int, int]:
 
 
 def started_router(args):
-    """The router a gateway started with these flags builds (moe-gateway's make_router):
+    """The router a gateway started with these flags builds (gateway/config.py's make_router):
     the load generator steers tokens with it and the peers route with it."""
-    from gateway.cli import make_router
+    from gateway.config import make_router
     try:
         return _make_router(make_router, args)
     except ValueError as e:

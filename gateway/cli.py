@@ -28,7 +28,8 @@ from typing import Optional, Sequence
 
 from gateway import placement_cli
 from gateway.chunking import chunk_rows_flag
-from gateway.update_cli import UPDATE_TIMEOUT, add_update_parser, parse_floats, update_fields, update_main  # noqa: F401
+from gateway.config import parse_floats
+from gateway.update_cli import UPDATE_TIMEOUT, add_update_parser, update_main
 from transport.service import options
 from transport.service.launch import LISTENING
 from transport.service.options import UsageError
@@ -176,116 +177,6 @@ def add_batching_flags(p: argparse.ArgumentParser) -> None:
                           "in measured seconds")
 
 
-def make_router(args):
-    import numpy as np
-
-    from gateway.router import Router
-
-    bias = parse_floats(args.gate_bias)
-    if bias is not None and len(bias) != args.n_experts:
-        raise UsageError(f"--gate-bias needs {args.n_experts} values (one per expert), got {len(bias)}")
-    return Router(args.d_model, args.n_experts, args.top_k, noisy=args.noisy, noise_std=args.noise_std,
-                  capacity_factor=args.capacity_factor, overflow=args.overflow, seed=args.seed,
-                  bias=None if bias is None else np.asarray(bias, np.float32))
-
-
-def checkpoint_layers(args):
-    """{layer: GatewayLayer} of --checkpoint (routers and fingerprints); sets args.d_model."""
-    from gateway.layer import load_gateway_layers
-
-    layers = load_gateway_layers(args.checkpoint, args.layers)
-    if not layers:
-        raise UsageError(f"{args.checkpoint}: no MoE layer to serve")
-    specs = [gl.spec for gl in layers.values()]
-    if args.d_model is not None and args.d_model != specs[0].d_model:
-        raise UsageError(f"--d-model {args.d_model}, but the checkpoint's hidden_size is {specs[0].d_model}: "
-                         "drop --d-model")
-    args.d_model = specs[0].d_model
-    return layers
-
-
-def served_ids(args, layers=None) -> tuple[int, int, int]:
-    """(routed experts, shared pieces, rows per token) the workers a gateway starts must
-    host: the demo layer's from the flags, else the checkpoint layers' (the same ids in
-    every layer, so one placement serves them all)."""
-    from gateway.requests import slots_per_token
-
-    if not layers:
-        return args.n_experts, 0, args.top_k
-    sizes = {(gl.spec.n_experts, gl.spec.n_shared) for gl in layers.values()}
-    if len(sizes) != 1:
-        raise UsageError(f"workers a gateway starts host the same ids in every layer; these layers differ in "
-                         f"experts (routed, shared pieces): {sorted(sizes)}; start workers yourself (--workers)")
-    n_experts, n_shared = sizes.pop()
-    return n_experts, n_shared, max(slots_per_token(gl.router) for gl in layers.values())
-
-
-def local_workers(args, secret_path: Optional[str], layers=None):
-    from gateway.supervisor import LocalWorkers, local_listen_url, placement, worker_command
-
-    cpus = args.worker_cpus or []
-    commands = []
-    n_experts, n_shared, slots = served_ids(args, layers)
-    for i, experts in enumerate(placement(n_experts, args.local_workers, args.replicas, n_shared)):
-        extra = ["--blas-threads", str(args.worker_blas_threads), "--log-level", args.log_level,
-                 "--compute", args.compute]
-        if layers:
-            extra += ["--checkpoint", args.checkpoint, "--layers", ",".join(map(str, sorted(layers)))]
-        if cpus:
-            extra += ["--cpus", str(cpus[i % len(cpus)])]
-        if args.worker_metrics:
-            extra += ["--metrics-port", "0", "--metrics-addr", args.metrics_addr]
-        if secret_path:
-            extra += ["--secret-file", secret_path]
-        if args.insecure:  # as the gateway: no secret but the one named, never the per-user default
-            extra += ["--insecure"]
-        if args.update_dir:
-            extra += ["--update-dir", args.update_dir]
-        commands.append(worker_command(local_listen_url(args.backend, i, args.rdma_ip), experts,
-                                       d_model=args.d_model, d_ff=args.d_ff, seed=args.seed, dtype=args.dtype,
-                                       max_tokens=args.max_batch_tokens * slots, extra=extra))
-    return LocalWorkers(commands, threads=args.worker_blas_threads)
-
-
-PROBE_MAX_PEER_SLOT = 1 << 30  # the probe sends one small INFO; the bound only stops an absurd peer
-
-
-def probe_layer(url: str, secret: Optional[bytes], timeout: float) -> dict:
-    """The first worker's info (d_model, dtype) when the user did not say."""
-    import time
-
-    import transport
-    from transport.service.backoff import Backoff
-    from workers import protocol as P
-
-    deadline = time.monotonic() + timeout
-    wait = Backoff(0.05, 0.5)
-    while True:
-        try:
-            # the worker's slots are sized for its --max-tokens rows of ITS d_model, which is what
-            # we are asking: accept any size here (the default limit is too small for a wide layer)
-            conn = transport.connect(url, slot_size=1 << 16, nslots=2, timeout=min(5.0, timeout), secret=secret,
-                                     max_peer_slot_size=PROBE_MAX_PEER_SLOT)
-            break
-        except transport.Refused as e:
-            e.peer = url
-            raise
-        except transport.TransportError as e:
-            if time.monotonic() > deadline:
-                raise transport.ConnectionClosed(f"worker {url} did not answer within {timeout:g} s: {e}") from None
-            time.sleep(wait.next())
-    try:
-        conn.send(P.request(P.INFO, 0), timeout=5.0)
-        while True:
-            msg = conn.recv(timeout=5.0)
-            h = msg.header
-            msg.release()
-            if isinstance(h, dict) and h.get("op") == P.INFO:
-                return h
-    finally:
-        conn.close()
-
-
 def validate(args: argparse.Namespace) -> None:
     """Flags that contradict each other: UsageError before anything starts."""
     if args.workers and args.placement == "ray":
@@ -320,66 +211,45 @@ def start(args):
     """The GatewayServer these flags describe, its workers connected (server.local: the
     workers it started, if any); everything it started is stopped when it fails."""
     import transport
+    from gateway.config import resolve_layer
+    from gateway.placement import start_fleet
     from gateway.pool import WorkerPool
     from gateway.server import GatewayServer
     from transport.service import secrets
 
-    local = pool = None
+    fleet = pool = None
     # secure by default: without a secret the gateway makes one (0600) that local clients,
     # the update command and its local workers find; --insecure uses only a named one
     secret, secret_path = secrets.for_service(args.secret_file, insecure=args.insecure)
     options.check_exposure(args.listen, secret, args.insecure, PROG)
     urls = [u.strip() for u in args.workers.split(",") if u.strip()] if args.workers else None
     try:
-        layers = checkpoint_layers(args) if args.checkpoint else None
-        # ask the first worker (one extra connection) only what neither the user nor the
-        # checkpoint said: the width, and with a checkpoint the workers' wire dtype
-        if urls and (args.d_model is None or (layers and args.dtype is None)):
-            info = probe_layer(urls[0], secret, args.connect_timeout)
-            args.d_model = args.d_model or int(info["d_model"])
-            args.dtype = args.dtype or str(info["dtype"])
-        args.d_model = args.d_model or 256
-        args.dtype = args.dtype or "float32"
-        if layers:
-            router = {L: gl.router for L, gl in layers.items()}
-            fingerprints = {L: gl.fingerprint for L, gl in layers.items()}
-        else:
-            router, fingerprints = make_router(args), None
-        if urls is None and args.placement == "ray":
-            from gateway.placement_ray import ray_workers
-
-            local = ray_workers(args, secret, layers)
-            urls = local.urls
-        elif urls is None:
-            local = local_workers(args, secret_path, layers)
-            urls = local.urls
-        pool = WorkerPool(urls, router, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
+        layer = resolve_layer(args, secret, urls)
+        fleet = start_fleet(args, secret, secret_path, layer.layers)
+        pool = WorkerPool(urls or fleet.urls, layer.router, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
                           timeout=args.worker_timeout, connect_timeout=args.connect_timeout,
                           split_replicas=not args.no_split, secret=secret, balancing=args.balancing,
-                          ack_timeout=args.update_ack_timeout, fingerprints=fingerprints,
+                          ack_timeout=args.update_ack_timeout, fingerprints=layer.fingerprints,
                           chunk_rows=args.chunk_rows, reply_spin=args.reply_spin == "on",
                           **placement_cli.pool_options(args))
+        if fleet is not None:
+            fleet.attach(pool)
+            pool.live.fleet = fleet
         if args.placement_file:
             with open(args.placement_file) as f:
                 pool.live.load(json.load(f))
-        if local is not None and hasattr(local, "attach"):
-            local.attach(pool)
-        elif local is not None:
-            local.post = pool.loop.call_soon_threadsafe
-            local.on_moved = pool.workers.set_url
-            pool.loop.add_tick(local.tick)
         server = GatewayServer(pool, args.listen, max_batch_tokens=args.max_batch_tokens,
                                max_wait_ms=args.max_wait * 1e3, max_inflight_rounds=args.max_inflight_rounds,
                                max_batch_requests=args.max_batch_requests, secret=secret,
                                max_connections=args.max_connections, idle_timeout=args.idle_timeout or None,
                                batching=args.batching)
-        server.local = local
+        server.local = fleet
         return server
     except BaseException as e:
         if pool is not None:
             pool.close()
-        if local is not None:
-            local.close()
+        if fleet is not None:
+            fleet.close()
         if isinstance(e, transport.AuthenticationError):
             raise auth_failure(e, f"the worker at {getattr(e, 'peer', None) or 'one of --workers'}", secret_path,
                                args.secret_file) from None

@@ -54,9 +54,12 @@ class LivePlacement:
         self.clock = clock
         self._next = clock() + self.interval
         self._target: Optional[ExpertPlacement] = None  # an operator's target, reached over moves
+        self._target_reason = ""
         self._removing: set = set()  # workers to take out once drained
         self._started: Any = None  # the last move this started (an abandoned one is not retried at once)
+        self._joining: set = set()  # workers added by workers add/scale, given copies once admitted
         self._retry_at = 0.0
+        self._scaling = False
         self.last_error = ""
         self.runs: list = []  # (when, seconds the algorithm took, balancedness before, after) per EPLB run
 
@@ -115,7 +118,7 @@ class LivePlacement:
         """Move toward a saved placement (``placement load``, ``--placement-file``)."""
         target = ExpertPlacement.from_dict(doc, self.n_ids)
         target.check(n_workers=len(self.workers), slots={w.index: w.max_experts for w in self.workers})
-        self._target = target
+        self._target, self._target_reason = target, "operator's placement"
         return self._step_target() or {"state": "unchanged", "version": self.planner.placement.version}
 
     def _step_target(self) -> Optional[dict]:
@@ -125,7 +128,7 @@ class LivePlacement:
         if not adds and not removes:
             self._target = None
             return None
-        return self._apply(self._target, "operator's placement")
+        return self._apply(self._target, self._target_reason)
 
     def _apply(self, target: ExpertPlacement, reason: str) -> dict:
         st = self.rebalancer.apply(target, reason)
@@ -139,17 +142,19 @@ class LivePlacement:
         if mv is None or mv.state != "abandoned":
             return now < self._retry_at
         self._started, self.last_error = None, f"{mv.reason}: {mv.error}"
-        if mv.reason == "operator's placement":
+        if self._target is not None and mv.reason == self._target_reason:
             self._target = None
-            log.warning("the operator's placement is dropped: %s", mv.error)
+            log.warning("the target (%s) is dropped: %s", mv.reason, mv.error)
         self._retry_at = now + RETRY_AFTER
         return True
 
     # -- the fleet ---------------------------------------------------------------------------------
     def add(self, urls: list) -> dict:
+        """Connect workers at ``urls``; once admitted, the placement algorithm gives them
+        copies (from the load window, every expert counted at least once)."""
         added = [self.workers.add(u).index for u in urls]
-        return {"added": added, "note": "admitted as they connect; EPLB gives them copies"
-                if self.eplb_on else "admitted as they connect; give them copies with placement load or --eplb"}
+        self._joining.update(added)
+        return {"added": added, "note": "admitted as they connect, then given copies by the placement algorithm"}
 
     def drain(self, index: int, remove: bool = False) -> dict:
         """Move worker ``index``'s copies to the others, then (``remove``) take it out."""
@@ -196,18 +201,42 @@ class LivePlacement:
         self._apply(ExpertPlacement.from_lists(target, p.version), f"draining worker {w.index}")
 
     def scale(self, n: int) -> dict:
+        """Start or stop workers (through the fleet) to have ``n``: new ones are added as by
+        ``workers add``; the highest-numbered ones are drained, then removed and stopped."""
         if self.fleet is None:
             raise PlacementError("workers scale needs workers this gateway starts (--local-workers or --placement "
                                  "ray); with --workers use workers add / remove")
-        live = [w for w in self.workers if w.state != Health.REMOVED and not w.parked]
         if n < 1:
             raise PlacementError("scale to at least 1 worker")
+        if self._scaling:
+            raise PlacementError("a scale is in progress; try again when its workers have started")
+        live = [w for w in self.workers if w.state != Health.REMOVED and not w.parked]
         if n > len(live):
-            urls = self.fleet.start(n - len(live))
-            return self.add(urls)
-        for w in sorted(live, key=lambda x: -x.index)[:len(live) - n]:
+            self._scaling = True
+            self.fleet.start(n - len(live), self._started_workers)
+            return {"starting": n - len(live), "workers": len(live)}
+        gone = sorted(live, key=lambda x: -x.index)[:len(live) - n]
+        for w in gone:
             self.drain(w.index, remove=True)
-        return {"draining": [w.index for w in sorted(live, key=lambda x: -x.index)[:len(live) - n]]}
+        return {"draining": [w.index for w in gone], "workers": n}
+
+    def _started_workers(self, urls: list) -> list:
+        """The fleet's new workers listen at ``urls`` (on the loop): their pool indices."""
+        self._scaling = False
+        return self.add(urls)["added"] if urls else []
+
+    def _give_copies(self, now: float) -> bool:
+        """Workers added and now admitted get copies by the algorithm; True if a move started."""
+        ready = {i for i in self._joining if self.workers[i].usable}
+        self._joining -= {i for i in self._joining if self.workers[i].state == Health.REMOVED}
+        if not ready or self.rebalancer.busy:
+            return False
+        self._joining -= ready
+        target = self.eplb_target(now, prior=1.0)
+        if target is None:
+            return False
+        self._target, self._target_reason = target, "copies for added workers"  # over as many moves as it takes
+        return self._step_target() is not None
 
     def _worker(self, index: Any):
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(self.workers):
@@ -227,14 +256,23 @@ class LivePlacement:
         return slots
 
     def eplb_step(self, now: float) -> Optional[dict]:
-        """One EPLB run over every layer; the move started, if any."""
+        """One EPLB run over every layer; the move started (at most --eplb-max-moves copies:
+        the next run goes on from where it got), if any."""
+        target = self.eplb_target(now)
+        return self._apply(target, "eplb") if target is not None else None
+
+    def eplb_target(self, now: float, prior: float = 0.0) -> Optional[ExpertPlacement]:
+        """The placement DeepSeek's algorithm gives every layer for the window's load, or
+        None where no layer would be balanced better. ``prior``: rows every expert counts
+        beyond what the window measured (a new worker's first copies, with little or no load
+        yet)."""
         p = self.planner.placement
         target, gain = {}, False
         t0 = time.perf_counter()
         for L in sorted(p.copies):
-            load = self.planner.load.load(L, now)
+            load = self.planner.load.load(L, now) + prior
             cur = p.lists(L)
-            if load.sum() < MIN_ROWS:
+            if load.sum() < MIN_ROWS and not prior:
                 target[L] = cur
                 continue
             alive = self.alive()
@@ -256,9 +294,7 @@ class LivePlacement:
         if self.runs:
             r = self.runs[-1]
             self.runs[-1] = (r[0], round(took, 6), r[2], r[3])
-        if not gain:
-            return None
-        return self._apply(ExpertPlacement.from_lists(target, p.version), "eplb")
+        return ExpertPlacement.from_lists(target, p.version) if gain else None
 
     # -- the loop's tick ---------------------------------------------------------------------------------
     def tick(self, now: float) -> Optional[float]:
@@ -272,11 +308,13 @@ class LivePlacement:
                     self._drain_step(w)
                     if self.rebalancer.busy:
                         return None
-            if self._step_target() is not None:
+            if self._step_target() is not None or self._give_copies(now):
                 return None
             if self.eplb_on and now >= self._next:
                 self._next = now + self.interval
                 self.eplb_step(now)
         except (PlacementError, ValueError) as e:
             log.warning("placement: %s", e)
+        if self._joining:
+            return now + 0.05
         return self._next if self.eplb_on else now + 1.0

@@ -185,39 +185,10 @@ class GatewayMetrics:
                                      "for moves", value=s.bytes_loaded)
         return [version, bal, copies, red, share, moves, cps, loaded]
 
-    def _collect(self) -> list:
-        srv = self.server
-        st = srv.stats
-        pool = srv.pool
-        fams = [
-            CounterMetricFamily("moe_gateway_requests", "Forward requests received", value=st.requests),
-            CounterMetricFamily("moe_gateway_replies", "Results sent", value=st.replies),
-            CounterMetricFamily("moe_gateway_tokens", "Tokens received in forward requests", value=st.tokens),
-            CounterMetricFamily("moe_gateway_rounds", "Dispatch rounds finished", value=st.rounds),
-            CounterMetricFamily("moe_gateway_failed_requests", "Requests answered with an error",
-                                value=st.failed_requests),
-            CounterMetricFamily("moe_gateway_retried_requests", "Requests retried on a replica after a worker "
-                                "failed", value=st.retried),
-            CounterMetricFamily("moe_gateway_clients_accepted", "Client connections accepted",
-                                value=st.clients_accepted),
-            GaugeMetricFamily("moe_gateway_clients_open", "Client connections open", value=st.clients_open),
-            GaugeMetricFamily("moe_gateway_queued_requests", "Requests waiting for a round",
-                              value=srv.queued_requests),
-            GaugeMetricFamily("moe_gateway_queued_tokens", "Tokens waiting for a round", value=srv.queued_tokens),
-            GaugeMetricFamily("moe_gateway_rounds_in_flight", "Rounds out at the workers",
-                              value=srv.rounds_in_flight),
-        ]
-        spin = pool.reply_spin()
-        rw = CounterMetricFamily("moe_gateway_reply_windows", "Workers' last replies the loop spun for, by when "
-                                 "each landed: inside its predicted window, before it, after it (or never)",
-                                 labels=["outcome"])
-        for outcome in ("hits", "early", "late"):
-            rw.add_metric([outcome.rstrip("s")], spin[outcome])
-        fams.append(rw)
-        ec = CounterMetricFamily("moe_gateway_errors", "Error replies by code", labels=["code"])
-        for code, n in sorted((dict.fromkeys(P.ERROR_CODES, 0) | dict(st.errors)).items()):  # each from the start
-            ec.add_metric([str(code)], n)
-        fams.append(ec)
+    @staticmethod
+    def _workers(pool) -> list:
+        """Per worker: URL, health and state, rows and batches sent, failures, compute, rows per
+        expert, kernel, and the active version of each expert it hosts."""
         wl = ["worker"]
         info = GaugeMetricFamily("moe_gateway_worker_info", "The worker's URL (always 1)", labels=["worker", "url"])
         healthy = GaugeMetricFamily("moe_gateway_worker_healthy", "1 if the worker is usable", labels=wl)
@@ -255,7 +226,42 @@ class GatewayMetrics:
         for w in list(pool.workers):
             for (L, e), v in sorted(list(w.versions.items())):
                 wver.add_metric([str(w.index), str(e), str(L)], v)
-        fams += [info, healthy, state, out, sent, bsent, fail, comp, erows, kin, wver]
+        return [info, healthy, state, out, sent, bsent, fail, comp, erows, kin, wver]
+
+    def _collect(self) -> list:
+        srv = self.server
+        st = srv.stats
+        pool = srv.pool
+        fams = [
+            CounterMetricFamily("moe_gateway_requests", "Forward requests received", value=st.requests),
+            CounterMetricFamily("moe_gateway_replies", "Results sent", value=st.replies),
+            CounterMetricFamily("moe_gateway_tokens", "Tokens received in forward requests", value=st.tokens),
+            CounterMetricFamily("moe_gateway_rounds", "Dispatch rounds finished", value=st.rounds),
+            CounterMetricFamily("moe_gateway_failed_requests", "Requests answered with an error",
+                                value=st.failed_requests),
+            CounterMetricFamily("moe_gateway_retried_requests", "Requests retried on a replica after a worker "
+                                "failed", value=st.retried),
+            CounterMetricFamily("moe_gateway_clients_accepted", "Client connections accepted",
+                                value=st.clients_accepted),
+            GaugeMetricFamily("moe_gateway_clients_open", "Client connections open", value=st.clients_open),
+            GaugeMetricFamily("moe_gateway_queued_requests", "Requests waiting for a round",
+                              value=srv.queued_requests),
+            GaugeMetricFamily("moe_gateway_queued_tokens", "Tokens waiting for a round", value=srv.queued_tokens),
+            GaugeMetricFamily("moe_gateway_rounds_in_flight", "Rounds out at the workers",
+                              value=srv.rounds_in_flight),
+        ]
+        spin = pool.reply_spin()
+        rw = CounterMetricFamily("moe_gateway_reply_windows", "Workers' last replies the loop spun for, by when "
+                                 "each landed: inside its predicted window, before it, after it (or never)",
+                                 labels=["outcome"])
+        for outcome in ("hits", "early", "late"):
+            rw.add_metric([outcome.rstrip("s")], spin[outcome])
+        fams.append(rw)
+        ec = CounterMetricFamily("moe_gateway_errors", "Error replies by code", labels=["code"])
+        for code, n in sorted((dict.fromkeys(P.ERROR_CODES, 0) | dict(st.errors)).items()):  # each from the start
+            ec.add_metric([str(code)], n)
+        fams.append(ec)
+        fams += self._workers(pool)
         fams += self._served(pool)
         fams += self._update_families(pool.update)
         fams.extend(transport_families([self.worker_book, srv.conn_book]))

@@ -273,9 +273,9 @@ class RayPlacement:
 class RayWorkers:
     """Worker actors placed by Ray; ``urls[i]`` is where worker i listens now.
 
-    The same face as :class:`gateway.supervisor.LocalWorkers` (``urls``, ``tick``, ``close``,
-    ``post`` and ``on_moved``), plus :meth:`attach`, which also lets it see which workers the
-    pool has lost (the cue to ask their actors for a new URL).
+    A fleet (gateway/placement.py), like :class:`gateway.supervisor.LocalWorkers`;
+    :meth:`attach` also lets it see which workers the pool has lost (the cue to ask their
+    actors for a new URL). ``link[i]``: the pool's index of worker i.
     """
 
     def __init__(self, spec: RayPlacement, worker_flags: Callable[[int, list[int]], list[str]], *,
@@ -285,8 +285,6 @@ class RayWorkers:
             import ray
         except ImportError:
             raise RuntimeError("--placement ray needs Ray: pip install 'moe-transport[ray]'") from None
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         from gateway.supervisor import placement
 
         choose_transport(spec.transport, same_host=True, has_rdma=lambda: False)  # validates the name
@@ -303,6 +301,10 @@ class RayWorkers:
         self.post: Optional[Callable[[Callable[[], None]], None]] = None
         self.on_moved: Optional[Callable[[int, str], None]] = None
         self.links = None  # the pool's WorkerSet, once attached
+        self.link: list[int] = []
+        self._flags, self._secret, self._insecure = worker_flags, secret, insecure
+        self._blocks: list = []
+        self._gw_host, self._name = host_key(), f"moe-ray-{os.getpid()}-{os.urandom(3).hex()}"
         self._asking: set = set()
         self._next: list[float] = []
         self._backoff: list[Backoff] = []
@@ -317,21 +319,9 @@ class RayWorkers:
                     + (" on the gateway's own node (--ray-transport shm)" if spec.transport == "shm" else "")
                     + f"; the cluster's nodes: {_describe(ray.nodes())}")
             order = assign_nodes(nodes, spec.workers_per_node, spec.strategy)
-            blocks = placement(n_experts, len(order), replicas, n_shared)
-            cls = ray.remote(WorkerHost)
-            gw_host = host_key()
-            name = f"moe-ray-{os.getpid()}-{os.urandom(3).hex()}"
-            wrapped = SharedSecret(secret) if secret is not None else None
-            cpus = list(spec.worker_cpus or [])
-            for i, (node, experts) in enumerate(zip(order, blocks)):
-                actor = cls.options(
-                    num_cpus=spec.cpus_per_worker, max_restarts=spec.max_restarts,
-                    max_task_retries=-1,  # where/stop are idempotent: retried across a restart
-                    max_concurrency=2,  # stop() must run while where() may be waiting
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
-                ).remote(i, worker_flags(i, experts), transport=spec.transport, gateway_host=gw_host, name=name,
-                         secret=wrapped, insecure=insecure, cpu=cpus[i % len(cpus)] if cpus else None)
-                self.actors.append(actor)
+            self._blocks = placement(n_experts, len(order), replicas, n_shared)
+            for i, node in enumerate(order):
+                self.actors.append(self._actor(i, node.node_id))
             refs = [a.where.remote() for a in self.actors]
             ready, pending = ray.wait(refs, num_returns=len(refs), timeout=spec.start_timeout)
             if pending:
@@ -343,12 +333,86 @@ class RayWorkers:
             self.close()
             raise
         self.urls = [w["url"] for w in self.where]
+        self.link = list(range(len(self.actors)))
         self.restarts = [0] * len(self.actors)
         self._next = [0.0] * len(self.actors)
         self._backoff = [Backoff(*ASK_BACKOFF) for _ in self.actors]
         for w, node in zip(self.where, order):
             log.info("ray worker %d on node %s (%s): %s, pid %d%s", w["index"], node.ip, node.node_id[:8], w["url"],
                      w["pid"], f", metrics {w['metrics']}" if w.get("metrics") else "")
+
+    def _actor(self, i: int, node_id: Optional[str]) -> Any:
+        """Worker i's actor, with the block its number has: on node ``node_id``, or (None)
+        wherever Ray finds a free CPU."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        spec, cpus = self.spec, list(self.spec.worker_cpus or [])
+        wrapped = SharedSecret(self._secret) if self._secret is not None else None
+        where = NodeAffinitySchedulingStrategy(node_id, soft=False) if node_id is not None else "SPREAD"
+        return self.ray.remote(WorkerHost).options(
+            num_cpus=spec.cpus_per_worker, max_restarts=spec.max_restarts,
+            max_task_retries=-1,  # where/stop are idempotent: retried across a restart
+            max_concurrency=2,  # stop() must run while where() may be waiting
+            scheduling_strategy=where,
+        ).remote(i, self._flags(i, self._blocks[i % len(self._blocks)]), transport=spec.transport,
+                 gateway_host=self._gw_host, name=self._name, secret=wrapped, insecure=self._insecure,
+                 cpu=cpus[i % len(cpus)] if cpus else None)
+
+    # -- workers scale ---------------------------------------------------------------------------
+    def start(self, n: int, done: Callable[[list], Optional[list]]) -> None:
+        """Start ``n`` more worker actors wherever Ray finds room (in a thread); ``done(urls)``
+        on the pool's loop returns the pool's indices for them."""
+        ray, spec = self.ray, self.spec
+        first = len(self.actors)
+
+        def run() -> None:
+            got = []
+            for k in range(n):
+                actor = self._actor(first + k, None)
+                try:
+                    got.append((actor, ray.get(actor.where.remote(), timeout=spec.start_timeout)))
+                except Exception as e:  # no room on the cluster, say: what started serves
+                    log.warning("ray: worker %d did not start: %s: %s", first + k, type(e).__name__, e)
+                    try:
+                        ray.kill(actor, no_restart=True)
+                    except Exception:
+                        pass
+            self.post(lambda: self._started_new(got, done))
+
+        threading.Thread(target=run, daemon=True, name="ray-scale-up").start()
+
+    def _started_new(self, got: list, done: Callable[[list], Optional[list]]) -> None:
+        first = len(self.actors)
+        for actor, where in got:
+            self.actors.append(actor)
+            self.where.append(where)
+            self.urls.append(where["url"])
+            self.link.append(-1)
+            self.restarts.append(0)
+            self._next.append(0.0)
+            self._backoff.append(Backoff(*ASK_BACKOFF))
+        for k, index in enumerate(done([w["url"] for _, w in got]) or []):
+            self.link[first + k] = index
+
+    def stop(self, index: int) -> None:
+        """End the actor of the pool's worker ``index`` (drained and removed), for good."""
+        if index not in self.link:
+            return
+        i = self.link.index(index)
+        actor, ray = self.actors[i], self.ray
+        self.link[i] = -1
+
+        def run() -> None:
+            try:
+                ray.get(actor.stop.remote(), timeout=STOP_TIMEOUT)
+            except Exception as e:
+                log.debug("stopping ray worker %d: %s", i, e)
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as e:
+                log.debug("ray.kill: %s", e)
+
+        threading.Thread(target=run, daemon=True, name=f"ray-stop-{i}").start()
 
     def attach(self, pool: "WorkerPool") -> None:
         """Follow ``pool``'s workers: hand moved URLs to it, on its loop."""
@@ -368,7 +432,10 @@ class RayWorkers:
         from gateway.worker_link import Health
 
         nxt = now + 0.25
-        for i, link in enumerate(self.links):
+        for i, index in enumerate(self.link):
+            if index < 0:
+                continue
+            link = self.links[index]
             if link.state not in (Health.LOST, Health.REFUSED) or i in self._asking:
                 continue
             if now >= self._next[i]:
@@ -414,8 +481,8 @@ class RayWorkers:
         self._next[i] = time.monotonic() + ASK_BACKOFF[0]
         log.warning("ray worker %d restarted (pid %s -> %s) at %s", i, old.get("pid"), got["pid"], got["url"])
         self.urls[i] = got["url"]
-        if self.on_moved is not None:
-            self.on_moved(i, got["url"])
+        if self.on_moved is not None and self.link[i] >= 0:
+            self.on_moved(self.link[i], got["url"])
 
     # -- end -----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -443,30 +510,19 @@ def _describe(nodes: Sequence[dict]) -> str:
                      f"CPU={n.get('Resources', {}).get('CPU', 0):g}" for n in nodes) or "none"
 
 
-def ray_workers(args: argparse.Namespace, secret: Optional[bytes], layers: Optional[dict] = None) -> RayWorkers:
+def ray_workers(args: argparse.Namespace, secret: Optional[bytes], layers: Optional[dict],
+                flags: Callable[[int, list], list]) -> RayWorkers:
     """The Ray placement ``moe-gateway --placement ray`` asks for (``args``: its flags;
     ``layers``: the gateway's checkpoint layers, whose experts every node reads from the
-    same --checkpoint path)."""
-    from gateway.cli import served_ids
+    same --checkpoint path; ``flags``: gateway/placement.py's worker flags)."""
+    from gateway.placement import served_ids
 
     spec = RayPlacement(address=args.ray_address, workers_per_node=args.ray_workers_per_node,
                         cpus_per_worker=args.ray_cpus_per_worker, strategy=args.ray_strategy,
                         transport=args.ray_transport, worker_cpus=args.worker_cpus,
                         start_timeout=args.ray_start_timeout)
-    n_experts, n_shared, slots = served_ids(args, layers)
-    base = ["--d-model", str(args.d_model), "--d-ff", str(args.d_ff), "--seed", str(args.seed), "--dtype", args.dtype,
-            "--max-tokens", str(args.max_batch_tokens * slots), "--blas-threads", str(args.worker_blas_threads),
-            "--log-level", args.log_level, "--compute", args.compute]
-    if layers:
-        base += ["--checkpoint", os.path.abspath(args.checkpoint), "--layers", ",".join(map(str, sorted(layers)))]
-    if args.update_dir:
-        base += ["--update-dir", args.update_dir]
-    if args.worker_metrics:  # each on a free port of its node (where() and the log say which)
-        base += ["--metrics-port", "0", "--metrics-addr", args.metrics_addr]
+    n_experts, n_shared, _ = served_ids(args, layers)
     from workers.cli import build_parser
-
-    def flags(i: int, experts: list[int]) -> list[str]:
-        return ["--experts", ",".join(map(str, experts)), *base]
 
     build_parser().parse_args(flags(0, [0]))  # bad worker flags fail here, not in every actor
     return RayWorkers(spec, flags, n_experts=n_experts, replicas=args.replicas, n_shared=n_shared, secret=secret,

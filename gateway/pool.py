@@ -18,6 +18,7 @@ import numpy as np
 
 from gateway.admission import Admission
 from gateway.chunking import ChunkSetting, parse_chunk_rows
+from gateway.combine import combine_request
 from gateway.control import ControlChannel
 from gateway.expert_placement import ExpertPlacement, PlacementError
 from gateway.live_placement import LivePlacement
@@ -251,6 +252,11 @@ class WorkerPool:
         """The most workers hosting one expert (1: no replica to choose between)."""
         return max((sum(1 for w in self.workers if e in w.experts) for e in range(self.n_experts)), default=0)
 
+    @staticmethod
+    def combine(req: Request, out: np.ndarray) -> np.ndarray:
+        """``req``'s output into ``out``, from its replies where they landed (gateway/combine.py)."""
+        return combine_request(req, out)
+
     def route_early(self, req: Request) -> Optional[frozenset]:
         """Route ``req`` before it is batched (expert-aware batching); see RoundBook.route_early."""
         return self.rounds.route_early(req)
@@ -356,7 +362,7 @@ class WorkerPool:
         try:
             if req.error is not None:
                 raise req.error
-            req.combine(out)
+            combine_request(req, out)
         finally:
             req.release()
         return out, stats

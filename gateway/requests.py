@@ -14,7 +14,6 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from gateway.combine import combine_request
 from gateway.dispatch import ChunkSum, DispatchPlan, SumBuffers
 from gateway.router import Routing
 from workers import protocol as P
@@ -106,11 +105,6 @@ class Request:
     def expert_versions(self) -> list:
         """[[expert, version], ...] of every expert that computed rows of this request."""
         return [[e, v] for e, v in sorted(self.used.items())]
-
-    def combine(self, out: np.ndarray) -> np.ndarray:
-        """The weighted combine of this request's expert outputs into ``out`` (T, d), from
-        the replies where they landed (gateway/combine.py)."""
-        return combine_request(self, out)
 
     def drop_sum(self) -> None:
         """Its chunked sum is done with (combined, or its round given up)."""

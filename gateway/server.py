@@ -346,7 +346,7 @@ class GatewayServer:
                 # the buffer taken at dispatch is req.out itself (the same array, so a sum made
                 # in it is not copied onto itself); else the slot taken now
                 out = req.out if view is None else self._rows_in(view, rows)
-                req.combine(out)  # straight into the reply slot
+                pool.combine(req, out)  # straight into the reply slot
                 st = req.round.stats
                 fields = {"round": req.round.id, "round_requests": st.requests, "timing": {
                     "route_s": st.route_s, "dispatch_s": st.dispatch_s, "compute_s": st.compute_s,

@@ -44,37 +44,41 @@ def placement(n_experts: int, n_workers: int, replicas: int = 1, n_shared: int =
     return out
 
 
-def worker_command(listen: str, experts: Sequence[int], *, d_model: int, d_ff: int, seed: int, dtype: str,
-                   max_tokens: int, extra: Sequence[str] = ()) -> list[str]:
-    """The moe-worker command line (the process interface, not an import of workers/)."""
-    return [sys.executable, "-m", "workers.cli", "--listen", listen, "--experts", ",".join(map(str, experts)),
-            "--d-model", str(d_model), "--d-ff", str(d_ff), "--seed", str(seed), "--dtype", dtype,
-            "--max-tokens", str(max_tokens), "--exit-with-parent", *extra]
-
-
 class LocalWorkers:
-    """``commands[i]`` starts worker i; ``urls[i]`` is where it listens now."""
+    """A fleet (gateway/placement.py) of moe-worker child processes: ``commands[i]`` starts
+    worker i, ``urls[i]`` is where it listens now. ``make_command(i)``: the command of a
+    worker added later (``workers scale``)."""
 
-    def __init__(self, commands: Sequence[Sequence[str]], *, threads: int = 1, start_timeout: float = 60.0) -> None:
+    def __init__(self, commands: Sequence[Sequence[str]], *, threads: int = 1, start_timeout: float = 60.0,
+                 make_command: Optional[Callable[[int], list]] = None) -> None:
         self.commands = [list(c) for c in commands]
+        self.make_command = make_command
         self.env = blas_env(threads)
         self.start_timeout = start_timeout
         self.procs: list[Optional[subprocess.Popen]] = [None] * len(self.commands)
         self.urls: list[str] = [""] * len(self.commands)
+        self.link = list(range(len(self.commands)))  # worker i is the pool's worker link[i]
         self.restarts = [0] * len(self.commands)
         self._started = [0.0] * len(self.commands)
         self._backoff = [Backoff(*RESPAWN_BACKOFF) for _ in self.commands]
         self._next = [0.0] * len(self.commands)
         self._spawning: set = set()
+        self._retired: set = set()  # workers stopped on purpose: not respawned
         self._closed = False
         self.post: Optional[Callable[[Callable[[], None]], None]] = None
-        self.on_moved: Optional[Callable[[int, str], None]] = None  # (index, new url)
+        self.on_moved: Optional[Callable[[int, str], None]] = None  # (the pool's index, new url)
         try:
             for i in range(len(self.commands)):  # at start: blocking, in order
                 self.procs[i], self.urls[i] = self._spawn(i)
         except BaseException:
             self.close()
             raise
+
+    def attach(self, pool) -> None:
+        """Hand a respawned worker's new URL to ``pool``, on its loop (which ticks this)."""
+        self.post = pool.loop.call_soon_threadsafe
+        self.on_moved = pool.workers.set_url
+        pool.loop.add_tick(self.tick)
 
     def _spawn(self, i: int):
         proc, url = spawn_service(self.commands[i], timeout=self.start_timeout, env=self.env)
@@ -97,7 +101,7 @@ class LocalWorkers:
                 self._next[i] = now + pause
                 log.warning("local worker %d (pid %d) exited with %s after %.1f s: restarting in %.1f s",
                             i, proc.pid, rc, lived, pause)
-            if self.procs[i] is None and i not in self._spawning and not self._closed:
+            if self.procs[i] is None and i not in self._spawning and i not in self._retired and not self._closed:
                 if now >= self._next[i]:
                     self._respawn(i)
                 else:
@@ -127,7 +131,7 @@ class LocalWorkers:
             log.warning("local worker %d did not start: %s; retrying in %.1f s", i, got, pause)
             return
         proc, url = got
-        if self._closed:
+        if self._closed or i in self._retired:
             stop_process(proc, timeout=5.0)
             return
         self.procs[i] = proc
@@ -135,7 +139,65 @@ class LocalWorkers:
         log.warning("local worker %d restarted (pid %d) at %s", i, proc.pid, url)
         self.urls[i] = url
         if self.on_moved is not None:
-            self.on_moved(i, url)
+            self.on_moved(self.link[i], url)
+
+    # -- workers scale ---------------------------------------------------------------------------
+    def start(self, n: int, done: Callable[[list], Optional[list]]) -> None:
+        """Start ``n`` more workers in a thread; ``done(urls)`` on the pool's loop returns the
+        pool's indices for them (an empty list of URLs: they could not start)."""
+        if self.make_command is None:
+            raise RuntimeError("these local workers cannot be scaled")
+        first = len(self.commands)
+        for i in range(first, first + n):
+            self.commands.append(self.make_command(i))
+            self.procs.append(None)
+            self.urls.append("")
+            self.link.append(-1)
+            self.restarts.append(0)
+            self._started.append(0.0)
+            self._backoff.append(Backoff(*RESPAWN_BACKOFF))
+            self._next.append(float("inf"))  # not respawned by tick() before it first started
+            self._spawning.add(i)
+
+        def run() -> None:
+            got = []
+            for i in range(first, first + n):
+                try:
+                    got.append(self._spawn(i))
+                except (ServiceError, OSError) as e:
+                    log.warning("local worker %d did not start: %s", i, e)
+                    got.append(None)
+            self.post(lambda: self._started_new(first, got, done))
+
+        threading.Thread(target=run, daemon=True, name="scale-up").start()
+
+    def _started_new(self, first: int, got: list, done: Callable[[list], Optional[list]]) -> None:
+        urls, positions = [], []
+        for k, g in enumerate(got):
+            i = first + k
+            self._spawning.discard(i)
+            if g is None or self._closed:
+                self._retired.add(i)
+                if g is not None:
+                    stop_process(g[0], timeout=5.0)
+                continue
+            self.procs[i], self.urls[i] = g
+            self._next[i] = 0.0
+            urls.append(self.urls[i])
+            positions.append(i)
+        for i, index in zip(positions, done(urls) or []):
+            self.link[i] = index
+
+    def stop(self, index: int) -> None:
+        """Stop the worker that is the pool's worker ``index`` (drained and removed), in a thread."""
+        if index not in self.link:
+            return
+        i = self.link.index(index)
+        self._retired.add(i)
+        proc, self.procs[i] = self.procs[i], None
+        if proc is not None:
+            threading.Thread(target=stop_process, args=(proc,), kwargs={"timeout": 10.0}, daemon=True,
+                             name=f"stop-{i}").start()
 
     def pids(self) -> list[Optional[int]]:
         return [p.pid if p is not None else None for p in self.procs]
@@ -149,6 +211,33 @@ class LocalWorkers:
             if rc not in (0, None):
                 log.warning("local worker %d exited with %s", proc.pid, rc)
             self.procs[i] = None
+
+
+def local_workers(args, secret_path: Optional[str], layers: Optional[dict], flags: Callable[[int, list], list]
+                  ) -> LocalWorkers:
+    """The local fleet ``--local-workers N`` asks for: contiguous expert blocks (with
+    ``--replicas`` copies), pinned by ``--worker-cpus``, with the gateway's secret file (or
+    ``--insecure`` as it has it); a worker added later starts with the block its number
+    would have had."""
+    from gateway.placement import served_ids
+
+    n_experts, n_shared, _ = served_ids(args, layers)
+    blocks = placement(n_experts, args.local_workers, args.replicas, n_shared)
+    cpus = args.worker_cpus or []
+
+    def command(i: int) -> list:
+        extra = []
+        if cpus:
+            extra += ["--cpus", str(cpus[i % len(cpus)])]
+        if secret_path:
+            extra += ["--secret-file", secret_path]
+        if args.insecure:  # as the gateway: no secret but the one named, never the per-user default
+            extra += ["--insecure"]
+        return [sys.executable, "-m", "workers.cli", "--listen", local_listen_url(args.backend, i, args.rdma_ip),
+                "--exit-with-parent", *flags(i, blocks[i % len(blocks)]), *extra]
+
+    return LocalWorkers([command(i) for i in range(len(blocks))], threads=args.worker_blas_threads,
+                        make_command=command)
 
 
 def local_listen_url(backend: str, i: int, rdma_ip: str = "127.0.0.1") -> str:

@@ -10,19 +10,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional
 
+from gateway.config import parse_floats
 from transport.service import options
 from transport.service.options import UsageError
 
 PROG = "moe-gateway"
-
-
-def parse_floats(text) -> Optional[list[float]]:
-    """Comma-separated numbers (an already parsed list passes through)."""
-    if text is None or isinstance(text, list):
-        return text
-    return [float(v) for v in text.split(",") if v.strip()] or None
 
 
 UPDATE_TIMEOUT = 30.0

@@ -216,6 +216,7 @@ def test_round_timed_to_its_last_combine(backend):
         timed = [w.chunk_costs.idle_s for w in pool.workers if w.chunk_costs.idle_s is not None]
         assert len(timed) == stats.workers and all(idle >= stats.combine_s > 0 for idle in timed)
         # a round not combined yet is not timed yet
+        from gateway.combine import combine_request
         from gateway.requests import Request
         before = [len(w.chunk_costs.idle) for w in pool.workers]  # samples taken
         req = Request(tokens(MAX_BATCH, 4))
@@ -224,7 +225,7 @@ def test_round_timed_to_its_last_combine(backend):
         while not req.finished and time.monotonic() < deadline:
             pool.loop.run_once(timeout=0.05)
         assert req.finished and [len(w.chunk_costs.idle) for w in pool.workers] == before
-        req.combine(np.empty((MAX_BATCH, D), np.float32))
+        combine_request(req, np.empty((MAX_BATCH, D), np.float32))
         req.release()
         assert [len(w.chunk_costs.idle) for w in pool.workers] == [n + 1 for n in before]
 

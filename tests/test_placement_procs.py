@@ -190,3 +190,37 @@ def test_workers_added_drained_and_removed_under_load(ref):
             assert refused.returncode == 2 and "no worker 7" in refused.stderr  # a bad request: the user's to fix
         finally:
             load.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_workers_scale_starts_and_stops_local_workers_under_load(backend, ref):
+    """`workers scale 2` on a gateway with one local worker: a second process starts, is
+    admitted and given copies before it takes traffic; `workers scale 1` drains it, removes
+    it and stops its process. Nothing fails meanwhile."""
+    from tests.helpers_fault import children
+    from tests.helpers_procs import pid_alive
+
+    _require(backend)
+    with Services() as s:
+        gw = s.gateway(backend, local_workers=1, d_model=D, d_ff=F, n_experts=E, top_k=K, seed=SEED,
+                       max_batch_tokens=MAX_BATCH, max_wait=0, worker_timeout=3, timeout=60)
+        load = Load(gw.url, ref)
+        try:
+            with GatewayClient(gw.url, timeout=20.0) as c:
+                t0 = time.monotonic()
+                out = json.loads(cli(gw.url, "workers", "scale", "2").stdout)
+                assert out["starting"] == 1
+                assert wait_until(lambda: len(c.ping()["workers"]) == 2 and
+                                  c.placement("show")["workers"][1]["copies"] > 0, timeout=60, interval=0.2)
+                joined = time.monotonic() - t0
+                assert wait_until(lambda: c.ping()["workers"][1]["expert_rows"], timeout=20)  # it serves
+                assert len(children(gw.pid)) == 2
+                new_pid = c.ping()["workers"][1]["pid"]
+                out = json.loads(cli(gw.url, "workers", "scale", "1").stdout)
+                assert out["draining"] == [1]
+                assert wait_until(lambda: c.ping()["workers"][1]["state"] == "removed", timeout=60, interval=0.2)
+                assert wait_until(lambda: not pid_alive(new_pid), timeout=20)
+                assert all(ws == [0] for ws in c.placement("show")["layers"]["0"]["copies"].values())
+        finally:
+            load.close()
+        print(f"\njoin to first served: {joined:.2f} s")

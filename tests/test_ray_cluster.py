@@ -255,6 +255,42 @@ def test_a_ray_restarted_actor_serves_the_finished_update_not_its_start_up_weigh
         stop_process(proc, timeout=60.0)
 
 
+def test_workers_scale_adds_and_removes_ray_worker_actors(cluster):
+    """`workers scale 4` on three Ray workers: a fourth actor starts where Ray finds room, is
+    admitted and given copies; `workers scale 3` drains it and ends its actor."""
+    proc, url = cluster.gateway("--ray-cpus-per-worker", "1")
+    code = """
+import json, sys, time
+from gateway.client import GatewayClient
+with GatewayClient({url!r}, timeout=60) as c:
+    out = {{"up": c.workers("scale", n=4)}}
+    t = time.monotonic() + 120
+    while time.monotonic() < t:
+        doc = c.placement("show")
+        if len(doc["workers"]) == 4 and doc["workers"][3]["copies"] > 0:
+            break
+        time.sleep(0.5)
+    out["copies"] = doc["workers"][3]["copies"] if len(doc["workers"]) == 4 else 0
+    out["pid"] = c.ping()["workers"][3]["pid"] if len(doc["workers"]) == 4 else None
+    out["down"] = c.workers("scale", n=3)
+    while time.monotonic() < t and c.ping()["workers"][3]["state"] != "removed":
+        time.sleep(0.5)
+    out["state"] = c.ping()["workers"][3]["state"]
+    print(json.dumps(out))
+"""
+    try:
+        r = cluster.python(code.format(url=url), timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["up"]["starting"] == 1 and out["copies"] > 0, out
+        assert out["down"]["draining"] == [3] and out["state"] == "removed", out
+        assert HP.wait_until(lambda: not HP.pid_alive(out["pid"]), timeout=60)
+        records = cluster.check(url, n=20)
+        assert {r["outcome"] for r in records} == {"ok"}
+    finally:
+        stop_process(proc, timeout=60.0)
+
+
 @pytest.mark.parametrize("flags,transports,n_workers", [
     # 2 per node, filled node by node, every expert twice: all tcp, the head's workers too
     (["--ray-transport", "tcp", "--ray-strategy", "pack", "--ray-workers-per-node", "2",
