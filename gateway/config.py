@@ -111,3 +111,19 @@ def resolve_layer(args: argparse.Namespace, secret: Optional[bytes], urls: Optio
         return Layer({L: gl.router for L, gl in layers.items()}, {L: gl.fingerprint for L, gl in layers.items()},
                      layers)
     return Layer(make_router(args), None, None)
+
+
+def served_ids(args: argparse.Namespace, layers: Optional[dict] = None) -> tuple[int, int, int]:
+    """(routed experts, shared pieces, rows per token) the workers a gateway starts must
+    host: the demo layer's from the flags, else the checkpoint layers' (the same ids in
+    every layer, so one placement serves them all)."""
+    from gateway.requests import slots_per_token
+
+    if not layers:
+        return args.n_experts, 0, args.top_k
+    sizes = {(gl.spec.n_experts, gl.spec.n_shared) for gl in layers.values()}
+    if len(sizes) != 1:
+        raise UsageError(f"workers a gateway starts host the same ids in every layer; these layers differ in "
+                         f"experts (routed, shared pieces): {sorted(sizes)}; start workers yourself (--workers)")
+    n_experts, n_shared = sizes.pop()
+    return n_experts, n_shared, max(slots_per_token(gl.router) for gl in layers.values())

@@ -20,8 +20,6 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
-from transport.service.options import UsageError
-
 if TYPE_CHECKING:
     from gateway.pool import WorkerPool
 
@@ -49,27 +47,13 @@ class Fleet(Protocol):
         """Stop every worker."""
 
 
-def served_ids(args: argparse.Namespace, layers: Optional[dict] = None) -> tuple[int, int, int]:
-    """(routed experts, shared pieces, rows per token) the workers a gateway starts must
-    host: the demo layer's from the flags, else the checkpoint layers' (the same ids in
-    every layer, so one placement serves them all)."""
-    from gateway.requests import slots_per_token
-
-    if not layers:
-        return args.n_experts, 0, args.top_k
-    sizes = {(gl.spec.n_experts, gl.spec.n_shared) for gl in layers.values()}
-    if len(sizes) != 1:
-        raise UsageError(f"workers a gateway starts host the same ids in every layer; these layers differ in "
-                         f"experts (routed, shared pieces): {sorted(sizes)}; start workers yourself (--workers)")
-    n_experts, n_shared = sizes.pop()
-    return n_experts, n_shared, max(slots_per_token(gl.router) for gl in layers.values())
-
-
 def worker_flags(args: argparse.Namespace, layers: Optional[dict] = None) -> WorkerFlags:
     """The moe-worker flags of worker ``i`` hosting ``experts``, for a fleet this gateway
     starts: the layer's shape and weights, the wire dtype, the rows a round may send, BLAS
     threads, the update directory, metrics. (Where it listens, its secret and its pinning
     are the fleet's.)"""
+    from gateway.config import served_ids
+
     _, _, slots = served_ids(args, layers)
     base = ["--d-model", str(args.d_model), "--d-ff", str(args.d_ff), "--seed", str(args.seed), "--dtype", args.dtype,
             "--max-tokens", str(args.max_batch_tokens * slots), "--blas-threads", str(args.worker_blas_threads),

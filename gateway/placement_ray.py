@@ -515,7 +515,7 @@ def ray_workers(args: argparse.Namespace, secret: Optional[bytes], layers: Optio
     """The Ray placement ``moe-gateway --placement ray`` asks for (``args``: its flags;
     ``layers``: the gateway's checkpoint layers, whose experts every node reads from the
     same --checkpoint path; ``flags``: gateway/placement.py's worker flags)."""
-    from gateway.placement import served_ids
+    from gateway.config import served_ids
 
     spec = RayPlacement(address=args.ray_address, workers_per_node=args.ray_workers_per_node,
                         cpus_per_worker=args.ray_cpus_per_worker, strategy=args.ray_strategy,

@@ -219,7 +219,7 @@ def local_workers(args, secret_path: Optional[str], layers: Optional[dict], flag
     ``--replicas`` copies), pinned by ``--worker-cpus``, with the gateway's secret file (or
     ``--insecure`` as it has it); a worker added later starts with the block its number
     would have had."""
-    from gateway.placement import served_ids
+    from gateway.config import served_ids
 
     n_experts, n_shared, _ = served_ids(args, layers)
     blocks = placement(n_experts, args.local_workers, args.replicas, n_shared)

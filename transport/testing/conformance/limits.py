@@ -8,7 +8,7 @@ import numpy as np
 from transport import framing
 from transport.errors import ConnectionClosed, ProtocolError
 from transport.framing import Kind
-from transport.testing import raw
+import transport.testing.raw as raw
 
 from .env import PairEnv
 from .helpers import (expect_closed, expect_nothing, filled_slot, raises, recv_seq, roundtrip, send_seq,
