@@ -254,8 +254,9 @@ class Rebalancer:
         mv.state = "retiring"
         for L, e, w in mv.removes:
             link = self.workers[w]
-            if link.conn is None or w in self.placement.of(L, e) or not link.hosts(e, L):
-                continue
+            hosted = sum(len(ids) for ids in link.layers.values())
+            if link.conn is None or w in self.placement.of(L, e) or not link.hosts(e, L) or hosted <= 1:
+                continue  # (a worker keeps its last expert: unrouted, it serves nothing)
             op = (P.UNHOST, L, e, w)
             mv.outstanding.add(op)
             self.control.send(link, P.UNHOST, e, L, {}, on_reply=lambda lk, h, op=op: self._retired(op),

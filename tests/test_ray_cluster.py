@@ -257,8 +257,9 @@ def test_a_ray_restarted_actor_serves_the_finished_update_not_its_start_up_weigh
 
 def test_workers_scale_adds_and_removes_ray_worker_actors(cluster):
     """`workers scale 4` on three Ray workers: a fourth actor starts where Ray finds room, is
-    admitted and given copies; `workers scale 3` drains it and ends its actor."""
-    proc, url = cluster.gateway("--ray-cpus-per-worker", "1")
+    admitted and given copies (two redundant ones: six experts on four workers balance no
+    better without them); `workers scale 3` drains it and ends its actor."""
+    proc, url = cluster.gateway("--ray-cpus-per-worker", "1", "--redundant-experts", "2")
     code = """
 import json, sys, time
 from gateway.client import GatewayClient
