@@ -108,6 +108,12 @@ class ChunkMode:
         noise back to whole parts (see docs/performance.md#constants-chosen-by-measurement)."""
         return self._chunks_cheaper_by(0.0 if self._way else MODE_MARGIN)
 
+    def may_chunk(self, measurable: bool) -> bool:
+        """Whether :meth:`want_chunks` could say yes for such a round: a round that cannot be
+        measured goes whole unless the choice has settled on chunks, so the size model need
+        not run for it (it runs on every part of every round otherwise)."""
+        return measurable or (self._decided and self._way)
+
     def want_chunks(self, measurable: bool = True) -> bool:
         """For one round the size model would chunk: chunk it? ``measurable``: no other
         round is in flight as it goes (so it can be timed alone)."""

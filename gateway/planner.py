@@ -139,6 +139,9 @@ class Planner:
             assign = split_over_replicas(idx, replicas, shares)
         at = 0
         n_workers = len(self.workers)
+        # auto sizes chunks only where they could be sent: a round that cannot be measured goes
+        # whole until the measured choice settles on chunks (ChunkMode.may_chunk)
+        sizing = chunk_rows != "auto" or self.chunk_mode.may_chunk(rnd.alone)
         for r in reqs:
             T = r.routing.num_tokens
             r.plan = DispatchPlan.from_assignment(r.routing.topk_idx, r.routing.topk_weights,
@@ -155,11 +158,14 @@ class Planner:
             if base:
                 rnd.rows[w] = base
                 rnd.groups[w] = self.part_groups(rnd, w)
-                link = self.workers[w]
-                costs = link.chunk_costs
-                size, edge = link.chunk_sizer.choose(base, chunk_rows, costs, rnd.groups[w])
-                rnd.bounds[w] = split_part(rnd.groups[w], base, size, costs.front_growth(base), edge,
-                                           costs.back_growth(base))
+                if sizing:
+                    link = self.workers[w]
+                    costs = link.chunk_costs
+                    size, edge = link.chunk_sizer.choose(base, chunk_rows, costs, rnd.groups[w])
+                    rnd.bounds[w] = split_part(rnd.groups[w], base, size, costs.front_growth(base), edge,
+                                               costs.back_growth(base))
+                else:
+                    rnd.bounds[w] = [0, base]
         # auto: the size model would chunk this round; measured costs say whether to
         rnd.eligible = chunk_rows == "auto" and rnd.chunked
         if rnd.eligible and not self.chunk_mode.want_chunks(measurable=rnd.alone):

@@ -159,8 +159,8 @@ class RoundBook:
         start_sums(rnd, self.d_model, self.sums)
         rnd.stats.dispatch_s = time.perf_counter() - t
         rnd.sent_at = time.perf_counter()
-        if self.chunk_rows == "auto":  # the next round's chunk sizes, while the workers compute
-            self.costs.prepare_next(rnd)
+        if self.chunk_rows == "auto" and self.costs.chunk_mode.may_chunk(rnd.alone):
+            self.costs.prepare_next(rnd)  # the next round's chunk sizes, while the workers compute
         self._check_settled(rnd)
         return rnd
 

@@ -183,6 +183,8 @@ def test_a_worker_returning_after_moves_is_given_its_placement():
             url = s.workers[0].url
             s.workers[0].crash()
             s.workers[0].close()
+            # the pool must have seen the crash, or "healthy" below could still be the old link's
+            assert wait_until(lambda: s.pool.workers[0].state.value != "healthy", timeout=15)
             s.workers[0] = FakeWorker([0, 1], d_model=D, url=url, secret=s.pool.workers.secret)
             assert wait_until(lambda: s.pool.workers[0].state.value == "healthy", timeout=15)
             assert s.workers[0].experts == [0, 3]

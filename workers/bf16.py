@@ -26,6 +26,8 @@ __all__ = ["BF16_NAME", "bfloat16_dtype", "is_bf16", "bits", "to_float32", "from
            "wire_dtype", "dtype_name"]
 
 BF16_NAME = "bfloat16"
+_U16 = np.dtype(np.uint16)
+_USER_DTYPES = 256  # NPY_USERDEF: type numbers from here on are registered ones (ml_dtypes')
 _ml_dtype: Any = None  # cached np.dtype of ml_dtypes.bfloat16, False when unavailable
 
 
@@ -45,7 +47,9 @@ def bfloat16_dtype() -> np.dtype | None:
 def is_bf16(dtype: Any) -> bool:
     """True for ml_dtypes.bfloat16 and for uint16 (raw bf16 bits)."""
     dt = np.dtype(dtype) if not isinstance(dtype, np.dtype) else dtype
-    return dt == np.uint16 or dt.name == BF16_NAME
+    if dt.num < _USER_DTYPES:  # numpy's own types (asked on every array of the hot path: no name lookup)
+        return dt.num == _U16.num and dt.isnative
+    return dt.name == BF16_NAME
 
 
 def wire_dtype(name: str) -> np.dtype:
