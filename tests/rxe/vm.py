@@ -56,9 +56,12 @@ GUEST_PACKAGES = [
 ]
 # Modules the guest loads (plus their dependency closure). crc32_generic: rdma_rxe
 # requests the "crc32" crypto algorithm at link time and modprobe does not list it.
+# bridge and sch_netem: the two-host link (tests/rxe/hosts.py) joins the hosts' veths on a
+# bridge and misbehaves through tc netem.
 GUEST_MODULES = [
     "crc32_generic", "virtio_pci", "virtio_net", "virtio_blk", "ext4",
     "9pnet_virtio", "9p", "ib_uverbs", "rdma_ucm", "rdma_rxe", "dummy", "veth",
+    "bridge", "sch_netem",
 ]
 # Loaded by the initramfs before switch_root (crc32c_generic: ext4 metadata csums).
 INITRD_MODULES = ["virtio_pci", "virtio_blk", "crc32c_generic", "ext4"]
