@@ -61,6 +61,7 @@ from .pool import BufferPool, Slot, round_up
 from . import rdma_handshake as hs
 from .rdma_device import DeviceChoice, pick_device
 from .rdma_verbs import E, PyverbsError, Verbs
+from .rdma_watch import DeviceWatch
 from .timing import RDMA_CLOSE_LINGER
 
 try:  # the compiled fast path (setup.py builds it where verbs.h is installed)
@@ -166,6 +167,7 @@ class RdmaConnection(CompiledPath, Connection):
         self._verbs: Optional[Verbs] = None
         self._pools: list = []
         self._ep = self._pub = None
+        self._watch: Optional[DeviceWatch] = None  # wakes us when the device is being removed
         self._fd_used = False
         self._armed_recv = self._armed_send = False
         # per-message counters: a Counters here, the compiled Link from start() where it runs
@@ -277,6 +279,10 @@ class RdmaConnection(CompiledPath, Connection):
             ep.register(v.recv_fd, select.EPOLLIN)
             ep.register(self.sock.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
         self._ep.register(v.send_fd, select.EPOLLIN)
+        self._watch = DeviceWatch.open(v.choice.device)
+        if self._watch is not None:
+            for ep in (self._ep, self._pub):
+                ep.register(self._watch.fd, select.EPOLLIN)
         if self._native is not False and _rdmafast is not None:
             self._start_link()
 
@@ -305,6 +311,11 @@ class RdmaConnection(CompiledPath, Connection):
         for name in Counters.__slots__:
             setattr(link, name, getattr(self._c, name))
         self._c = self._link = link
+
+    @property
+    def device(self) -> DeviceChoice:
+        """The device, port and GID this connection's queue pair uses."""
+        return self._verbs.choice
 
     @property
     def inline_sends(self) -> int:
@@ -847,6 +858,8 @@ class RdmaConnection(CompiledPath, Connection):
                 self._consume(True)
             elif fd == v.send_fd:
                 self._consume(False)
+            elif self._watch is not None and fd == self._watch.fd:
+                self._check_device()
             else:
                 self._check_side()
 
@@ -903,6 +916,14 @@ class RdmaConnection(CompiledPath, Connection):
             self._ep.unregister(self.sock.fileno())
         except (OSError, ValueError):
             pass
+
+    def _check_device(self) -> None:
+        """The device watch fired: if our device is being removed, fail (closing lets the
+        removal finish; see transport/rdma_watch.py)."""
+        if self._watch.removed() and not self._qp_error:
+            for ep in (self._ep, self._pub):
+                ep.unregister(self._watch.fd)
+            self._fail(f"RDMA device {self._verbs.choice.device} is being removed")
 
     def _fail(self, why: str) -> None:
         """The QP failed: the peer is out of reach (what arrived is still delivered)."""
@@ -973,6 +994,8 @@ class RdmaConnection(CompiledPath, Connection):
         for ep in (self._ep, self._pub):
             if ep is not None:
                 ep.close()
+        if self._watch is not None:
+            self._watch.close()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
