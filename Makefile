@@ -17,7 +17,7 @@ BACKEND ?= shm
 TORCH_VERSION ?= 2.13.0
 OUT := build
 
-.PHONY: deps native native-run run test test-host test-rdma docs bench bench-micro bench-rdma bench-moe bench-chunks bench-load bench-ray compose-check k8s-check secret clean
+.PHONY: deps native native-run run test test-host test-rdma docs bench bench-micro bench-rdma bench-rdma-two-hosts bench-moe bench-chunks bench-load bench-ray compose-check k8s-check secret clean
 
 # installs the Debian packages of $(1) that are missing
 define apt_install
@@ -101,6 +101,15 @@ bench-rdma: $(STAMP) native
 	$(PY) -m tests.rxe.vm run --out bench-results -- python3 -m bench.cli transport --backend rdma \
 	  --sizes $(RDMA_SIZES) --json /mnt/job/out/rdma.json
 	@echo "wrote bench-results/rdma.json"
+
+# rdma:// across the guest's two-host link (the timed side on host A's rxe device, the echo
+# side on host B's, through veths and a bridge) beside the one-device loopback rows: ours,
+# the bare pyverbs loop and perftest, same sizes, same guest run (tests/rxe/bench_two_hosts.py)
+bench-rdma-two-hosts: $(STAMP) native
+	@mkdir -p bench-results
+	$(PY) -m tests.rxe.vm run --out bench-results -- python3 -m tests.rxe.bench_two_hosts \
+	  --sizes 64,4K,1M --json /mnt/job/out/rdma-two-hosts.json
+	@echo "wrote bench-results/rdma-two-hosts.json (and its -loopback/-link runs)"
 
 bench-moe: $(STAMP) native
 	$(VENV)/bin/moe-bench moe --json bench-results/moe.json

@@ -79,8 +79,12 @@ class Peer:
     def serve_sink(self, size: int, n: int, data: bool) -> None:
         raise NotImplementedError
 
+    #: environment the server side runs with (e.g. another RDMA device: ``--server-device``)
+    server_env: dict = {}
+
     def _child(self, ctrl) -> None:
         try:
+            os.environ.update(self.server_env)
             if self.server_cpu is not None:
                 os.sched_setaffinity(0, {self.server_cpu})
             ctrl.send(("ready", self.serve_setup()))

@@ -39,30 +39,38 @@ def available() -> bool:
     return all(shutil.which(t) for t in TOOLS)
 
 
-def run_tool(tool: str, size: int, iters: int, choice: DeviceChoice, timeout: float = 300) -> str:
-    """Run ``tool`` as server and client on ``choice``; the client's output."""
+def _args(tool: str, choice: DeviceChoice, size: int, iters: int) -> list:
+    return [tool, "-d", choice.device, "-i", str(choice.port), "-x", str(choice.gid_index),
+            "-s", str(size), "-n", str(iters), "-p", str(_port)]
+
+
+def run_tool(tool: str, size: int, iters: int, choice: DeviceChoice, timeout: float = 300,
+             server: Optional[DeviceChoice] = None) -> str:
+    """Run ``tool`` as server (on ``server``, default ``choice``) and client (on ``choice``,
+    connecting to the server's address); the client's output."""
     global _port
     _port += 1  # a fresh port: a server of a previous run may linger in TIME_WAIT
-    args = [tool, "-d", choice.device, "-i", str(choice.port), "-x", str(choice.gid_index),
-            "-s", str(size), "-n", str(iters), "-p", str(_port)]
-    server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server_choice = server or choice
+    args = _args(tool, choice, size, iters)
+    srv = subprocess.Popen(_args(tool, server_choice, size, iters), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + timeout
         while True:  # the client fails at once while the server is not listening yet
             time.sleep(0.3)
-            client = subprocess.run(args + [choice.ipv4], capture_output=True, text=True,
+            client = subprocess.run(args + [server_choice.ipv4], capture_output=True, text=True,
                                     timeout=max(1.0, deadline - time.monotonic()))
             if client.returncode == 0:
                 break
-            if time.monotonic() > deadline or server.poll() is not None:
+            if time.monotonic() > deadline or srv.poll() is not None:
                 raise PerftestError(f"{' '.join(args)}: exit {client.returncode}: "
                                     f"{(client.stdout + client.stderr)[-400:]}")
-        server.wait(max(1.0, deadline - time.monotonic()))
+        srv.wait(max(1.0, deadline - time.monotonic()))
         return client.stdout
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        if srv.poll() is None:
+            srv.kill()
+            srv.wait()
 
 
 def parse_lat(out: str) -> dict:
@@ -81,13 +89,16 @@ def parse_bw(out: str) -> tuple[float, float, float]:
     return float(m[4]) * MB / 1e9, float(m[3]) * MB / 1e9, float(m[5]) * 1e6
 
 
-def measure(size: int, lat_iters: int, bw_iters: int, choice: Optional[DeviceChoice] = None) -> dict:
-    """One `moe-bench transport` row for ``size`` bytes."""
+def measure(size: int, lat_iters: int, bw_iters: int, choice: Optional[DeviceChoice] = None,
+            server: Optional[DeviceChoice] = None) -> dict:
+    """One `moe-bench transport` row for ``size`` bytes (``server``: the server side's device
+    when it is not the client's, e.g. across a link)."""
     choice = choice or pick_device()
-    lat = parse_lat(run_tool("ib_send_lat", size, lat_iters, choice))
-    bw, peak, rate = parse_bw(run_tool("ib_send_bw", size, bw_iters, choice))
-    wbw, wpeak, _ = parse_bw(run_tool("ib_write_bw", size, bw_iters, choice))
+    lat = parse_lat(run_tool("ib_send_lat", size, lat_iters, choice, server=server))
+    bw, peak, rate = parse_bw(run_tool("ib_send_bw", size, bw_iters, choice, server=server))
+    wbw, wpeak, _ = parse_bw(run_tool("ib_write_bw", size, bw_iters, choice, server=server))
     return {"impl": "perftest", "backend": "rdma", "size": size, "lat_us": lat, "bw_gbps": bw,
             "bw_peak_gbps": peak, "msg_rate": rate, "write_bw_gbps": wbw, "write_bw_peak_gbps": wpeak,
             "iters": lat_iters, "stream_count": bw_iters, "tools": list(TOOLS),
-            "device": choice.device, "gid_index": choice.gid_index}
+            "device": choice.device, "gid_index": choice.gid_index,
+            "server_device": (server or choice).device}

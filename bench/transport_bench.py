@@ -97,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pin the timed client to the first CPU and every echo server to the second "
                         "(default: no pinning)")
     options.alias(p, "--pin", "--cpus", type=options.cpu_list)
+    p.add_argument("--server-device", metavar="DEV", default=None,
+                   help="rdma: the echo side's device (its address is the URL's), the timed side keeps its own "
+                        "(MOE_RDMA_DEVICE or found): two hosts across a link; perftest runs the same way")
     p.add_argument("--no-peers", action="store_true", help="measure moe-transport only")
     p.add_argument("--quick", action="store_true", help="a short sweep for smoke runs")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rewritten after every size)")
@@ -194,11 +197,14 @@ def measure(peer: peers.Peer, size: int, iters: int, figure: str = "descriptor",
     return rec
 
 
-def _url(backend: str) -> str:
+def _url(backend: str, server_device: Optional[str] = None) -> str:
     if backend == "tcp":
         return "tcp://127.0.0.1:0"
     if backend == "shm":
         return f"shm://moe-bench-{uuid.uuid4().hex[:8]}"
+    if server_device:
+        from transport.rdma_device import pick_device
+        return f"rdma://{pick_device(device=server_device).ipv4}:0"
     ip = os.environ.get("MOE_RDMA_IP")
     if not ip:  # the IPv4 of the RoCE v2 GID rdma:// would pick (10.0.2.15 in the rxe guest)
         from transport.rdma_device import pick_device
@@ -222,9 +228,18 @@ def table_peers(backend: str) -> list[tuple[str, str]]:
 
 
 def make_peers(backend: str, max_size: int, with_peers: bool, *, slot_size: Optional[int] = None,
-               server_cpu: Optional[int] = None) -> list[peers.Peer]:
-    ours: list[peers.Peer] = [peers.MoeTransportPeer(max_size, _url(backend), slot_size=slot_size,
-                                                     server_cpu=server_cpu)]
+               server_cpu: Optional[int] = None, server_device: Optional[str] = None) -> list[peers.Peer]:
+    server_device = server_device if backend == "rdma" else None
+    ps = _make_peers(backend, max_size, with_peers, slot_size, server_cpu, server_device)
+    if server_device:
+        for p in ps:
+            p.server_env = {"MOE_RDMA_DEVICE": server_device}
+    return ps
+
+
+def _make_peers(backend, max_size, with_peers, slot_size, server_cpu, server_device) -> list[peers.Peer]:
+    url = _url(backend, server_device)
+    ours: list[peers.Peer] = [peers.MoeTransportPeer(max_size, url, slot_size=slot_size, server_cpu=server_cpu)]
     if not with_peers:
         return ours
     others: list[peers.Peer] = []
@@ -232,7 +247,7 @@ def make_peers(backend: str, max_size: int, with_peers: bool, *, slot_size: Opti
         from transport import rdma_conn, shm
         built = shm.NATIVE_AVAILABLE if backend == "shm" else rdma_conn._rdmafast is not None
         if built:  # else both rows would be the Python path
-            others.append(peers.MoeTransportPeer(max_size, _url(backend), slot_size=slot_size, native=False,
+            others.append(peers.MoeTransportPeer(max_size, _url(backend, server_device), slot_size=slot_size, native=False,
                                                  server_cpu=server_cpu))
     floor = {"tcp": peers.RawTcpPeer, "shm": peers.ShmFloorPeer, "rdma": peers.RdmaFloorPeer}[backend]
     others.append(floor(max_size, server_cpu=server_cpu))
@@ -269,13 +284,17 @@ def spin_settings(backends: list[str]) -> dict:
     return out
 
 
-def _perftest_row(size: int, iters: int, stream_count: Optional[int] = None) -> dict:
-    """perftest on the same device, same size, comparable counts (rdma only)."""
+def _perftest_row(size: int, iters: int, stream_count: Optional[int] = None,
+                  server_device: Optional[str] = None) -> dict:
+    """perftest on the same device(s), same size, comparable counts (rdma only)."""
+    from transport.rdma_device import pick_device
+
     from . import perftest
     if not perftest.available():
         raise RuntimeError("perftest (ib_send_lat, ib_send_bw, ib_write_bw) is not installed; "
                            "apt-get install perftest, or pass --no-peers")
-    row = perftest.measure(size, _iters(size, iters), _count(size, stream_count))
+    server = pick_device(device=server_device) if server_device else None
+    row = perftest.measure(size, _iters(size, iters), _count(size, stream_count), server=server)
     row.update(figure="descriptor", carried=True, label="perftest")
     return row
 
@@ -307,6 +326,7 @@ def settings_of(args, backends, sizes, iters, figures) -> dict:
             "slot_size": args.slot_size, "nslots": 8, "repeat": getattr(args, "repeat", 1),
             "pinning": None if args.pin is None else {"client_cpu": args.pin[0], "server_cpu": args.pin[1]},
             "affinity": affinity, "spin": spin_settings(backends), "peers": not args.no_peers,
+            "server_device": getattr(args, "server_device", None),
             "latency": "one-way = half the round trip (perftest's convention), usec",
             "figure_meaning": {"descriptor": "the payload is never touched (a slot index on shm)",
                                "data": "the sender writes and the receiver reads every payload byte, both ways "
@@ -345,7 +365,8 @@ def run(args: argparse.Namespace) -> int:
         for backend in backends:
             try:
                 ps = make_peers(backend, max_size, not args.no_peers, slot_size=args.slot_size,
-                                server_cpu=None if args.pin is None else args.pin[1])
+                                server_cpu=None if args.pin is None else args.pin[1],
+                                server_device=args.server_device)
             except Exception as e:
                 print(f"{backend}: cannot run here: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 for size in sizes:
@@ -405,7 +426,8 @@ def run(args: argparse.Namespace) -> int:
                                                 "note": f"not carried (max {floor.max_message} B)"})
                             else:
                                 try:
-                                    results.append(_perftest_row(size, iters, args.stream_count))
+                                    results.append(_perftest_row(size, iters, args.stream_count,
+                                                                 args.server_device))
                                 except Exception as e:
                                     results.append(failed("perftest", "rdma", "perftest", fig, size,
                                                           f"{type(e).__name__}: {e}"))

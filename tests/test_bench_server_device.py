@@ -1,0 +1,66 @@
+"""`moe-bench transport --server-device`: the echo side runs with another RDMA device (two
+hosts across a link), the timed side keeps its own; perftest's server and client likewise.
+Checked without a device: the server environment reaches the forked echo side, and
+perftest's command lines name each side's device and the server's address."""
+from __future__ import annotations
+
+import os
+
+from bench import peers, perftest, transport_bench
+from transport.rdma_device import DeviceChoice
+
+
+class _EnvPeer(peers.Peer):
+    impl, backend, label = "env", "test", "env"
+
+    def serve_setup(self):
+        return os.environ.get("MOE_RDMA_DEVICE")
+
+    def client_setup(self, server_info):
+        self.seen = server_info
+
+
+def test_the_echo_side_runs_with_the_server_environment_and_the_timed_side_does_not(monkeypatch):
+    monkeypatch.setenv("MOE_RDMA_DEVICE", "rxa")
+    p = _EnvPeer(64)
+    p.server_env = {"MOE_RDMA_DEVICE": "rxb"}
+    try:
+        p.start()
+        assert p.seen == "rxb"
+    finally:
+        p.stop()
+    assert os.environ["MOE_RDMA_DEVICE"] == "rxa"
+    assert peers.Peer.server_env == {}  # a class default nobody shares by accident
+
+
+def test_server_device_only_applies_to_rdma():
+    ps = transport_bench.make_peers("tcp", 4096, False, server_device="rxb")
+    assert [p.server_env for p in ps] == [{}]
+
+
+def test_perftest_runs_its_server_on_the_server_device_and_connects_to_its_address(monkeypatch):
+    a = DeviceChoice("rxa", 1, 1, "0000:0000:0000:0000:0000:ffff:c612:0001", "198.18.0.1", True)
+    b = DeviceChoice("rxb", 1, 3, "0000:0000:0000:0000:0000:ffff:c612:0002", "198.18.0.2", True)
+    calls = []
+
+    class _Proc:
+        def __init__(self, args, **kw):
+            calls.append(("server", args))
+            self.returncode = 0
+
+        def poll(self):
+            return 0
+
+        def wait(self, *a):
+            return 0
+
+    class _Done:
+        returncode, stdout, stderr = 0, "out", ""
+
+    monkeypatch.setattr(perftest.subprocess, "Popen", _Proc)
+    monkeypatch.setattr(perftest.subprocess, "run", lambda args, **kw: calls.append(("client", args)) or _Done())
+    monkeypatch.setattr(perftest.time, "sleep", lambda s: None)
+    assert perftest.run_tool("ib_send_lat", 64, 10, a, server=b) == "out"
+    (_, srv), (_, cli) = calls
+    assert srv[srv.index("-d") + 1] == "rxb" and srv[srv.index("-x") + 1] == "3"
+    assert cli[cli.index("-d") + 1] == "rxa" and cli[cli.index("-x") + 1] == "1" and cli[-1] == "198.18.0.2"
