@@ -74,6 +74,12 @@ def write(root: Optional[Path] = None) -> Path:
                 layers.append(L)
             (d / "case.json").write_text(json.dumps({"family": family, "dtype": dtype, "layers": layers,
                                                      "transformers": __import__("transformers").__version__}))
+        # readable by every user: the two-host tests' workers run as their hosts' users
+        # (mkdtemp makes 0700, safetensors writes 0600)
+        for dirpath, _, files in os.walk(tmp):
+            os.chmod(dirpath, 0o755)
+            for f in files:
+                os.chmod(os.path.join(dirpath, f), 0o644)
         if root.exists():
             shutil.rmtree(root)
         os.replace(tmp, root)  # whole or not at all: a guest never reads a half-written fixture
