@@ -22,8 +22,9 @@ from typing import Optional
 from transport.rdma_device import DeviceChoice, pick_device
 
 TOOLS = ("ib_send_lat", "ib_send_bw", "ib_write_bw")
-# "#bytes #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%" (usec)
-_LAT = re.compile(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)"
+# "#bytes #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%" (usec); t_stdev reads
+# "-nan" where perftest's variance went negative in floating point (seen at 1 MiB)
+_LAT = re.compile(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(-?nan|[\d.]+)"
                   r"\s+([\d.]+)\s+([\d.]+)", re.M)
 # "#bytes #iterations BW peak[MB/sec] BW average[MB/sec] MsgRate[Mpps]"
 _BW = re.compile(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", re.M)

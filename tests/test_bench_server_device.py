@@ -64,3 +64,16 @@ def test_perftest_runs_its_server_on_the_server_device_and_connects_to_its_addre
     (_, srv), (_, cli) = calls
     assert srv[srv.index("-d") + 1] == "rxb" and srv[srv.index("-x") + 1] == "3"
     assert cli[cli.index("-d") + 1] == "rxa" and cli[cli.index("-x") + 1] == "1" and cli[-1] == "198.18.0.2"
+
+
+def test_perftest_latency_parses_a_nan_stdev():
+    """ib_send_lat prints t_stdev "-nan" at times (a 1 MiB run across the two-host link did):
+    the row is still read, the other columns intact."""
+    out = (" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]"
+           "   99% percentile[usec]   99.9% percentile[usec] \n"
+           " 1048576 62          70119.35        391112.92      166568.54  \t       173669.23     \t-nan   "
+           "\t\t391112.92 \t\t391112.92\n")
+    assert perftest.parse_lat(out) == {"min": 70119.35, "p50": 166568.54, "avg": 173669.23, "p99": 391112.92,
+                                       "p999": 391112.92}
+    ok = out.replace("-nan", "12.5")
+    assert perftest.parse_lat(ok)["p50"] == 166568.54

@@ -28,6 +28,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from tests.summary import count_prefix
+
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent.parent
 GUEST_INIT = HERE / "guest-init.sh"
@@ -508,6 +510,9 @@ def test(pytest_args: list[str], out: str | None, timeout: float, smp: int = 2,
         print(f"RDMA suite: no junit.xml (pytest exit {rc})", flush=True)
         return rc or 1
     passed, failed, skipped = summarize(junit)
+    two = count_prefix([str(junit)], "tests.rdma.two_hosts")
+    if any(two.values()):  # run in this same session, on the guest's three-host link
+        print(f"two-host suite: {two['passed']} passed, {two['failed']} failed, {two['skipped']} skipped")
     print(f"RDMA suite: {passed} passed, {failed} failed, {skipped} skipped", flush=True)
     if failed or skipped or passed == 0:
         if skipped:

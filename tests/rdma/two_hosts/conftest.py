@@ -67,6 +67,58 @@ def on_hosts(hosts):
         yield services
 
 
+class Cluster:
+    """A gateway on host A serving a worker on B (experts 0-3, "low") and one on C (4-7,
+    "high"), random weights (tests/test_fault_workers.py's model), shared by a module's
+    tests: every Python start costs seconds in the guest."""
+
+    WORKER_TIMEOUT = 5.0
+
+    def __init__(self, services: HostServices, link):
+        from tests.test_fault_workers import D, E, F, HIGH, K, LOW, MAX_BATCH, ROWS, SEED
+        self.services, self.link = services, link
+        a, b, c = link.hosts
+        self._worker_args = dict(d_model=D, d_ff=F, seed=SEED, max_tokens=ROWS)
+        self.wb = services.worker(b, LOW, **self._worker_args)
+        self.wc = services.worker(c, HIGH, **self._worker_args)
+        self._high = HIGH
+        self.gw = services.gateway(a, [self.wb.url, self.wc.url], d_model=D, d_ff=F, n_experts=E, top_k=K,
+                                   seed=SEED, max_batch_tokens=MAX_BATCH, max_wait_ms=0,
+                                   worker_timeout=self.WORKER_TIMEOUT, connect_timeout=60)
+
+    def restart_c(self) -> Service:
+        """C's worker again, on the same URL (after a test killed it)."""
+        if self.wc.alive():
+            self.wc.kill()
+        self.services.services.remove(self.wc)
+        self.wc = self.services.worker(self.link["c"], self._high, url=self.wc.url, **self._worker_args)
+        return self.wc
+
+    def ensure_healthy(self, timeout: float = 60.0) -> None:
+        """Both workers alive and used by the gateway (a test may have left C dead or lost)."""
+        from gateway.client import GatewayClient
+        from tests.helpers_procs import wait_until
+        assert self.gw.alive() and self.wb.alive()
+        if not self.wc.alive():
+            self.restart_c()
+        with GatewayClient(self.gw.url, timeout=30.0) as cl:
+            assert wait_until(lambda: all(w["healthy"] for w in cl.ping()["workers"]), timeout=timeout,
+                              interval=0.1), cl.ping()["workers"]
+
+
+@pytest.fixture(scope="module")
+def cluster(link):
+    with HostServices() as services:
+        yield Cluster(services, link)
+
+
+@pytest.fixture
+def served(hosts, cluster):
+    """The module's cluster, healthy, on a link with no fault (restored after the test)."""
+    cluster.ensure_healthy()
+    return cluster
+
+
 def verbs_contexts(pid: int) -> int:
     """Open RDMA device contexts of ``pid`` (one per rdma:// connection): a leak check that
     needs nothing from the process itself."""

@@ -17,7 +17,6 @@ import pytest
 from gateway.client import GatewayClient
 from tests.helpers_procs import wait_until
 from tests.rdma.two_hosts.conftest import verbs_contexts
-from tests.rdma.two_hosts.test_serving import serve
 from tests.test_fault_workers import D, TOL, _answers, reference, steered  # noqa: F401
 from workers import protocol as P
 
@@ -92,10 +91,10 @@ def _rounds(cl, x, y, n: int) -> tuple[float, list]:
     return time.monotonic() - t0, lat
 
 
-def test_loss_reorder_and_delay_keep_every_answer_correct(on_hosts, hosts, reference):
+def test_loss_reorder_and_delay_keep_every_answer_correct(served, hosts, reference):
     """1% loss, 0.1% reorder, 2 ms delay each way on the gateway host's cable: RC
     retransmits, every answer equals the reference; tokens/s and p99 beside the clean link."""
-    wb, wc, gw = serve(on_hosts, hosts)
+    gw = served.gw
     x = np.random.default_rng(3).standard_normal((64, D)).astype(np.float32)
     y = reference.forward(x)[0]
     n = 40
@@ -112,11 +111,11 @@ def test_loss_reorder_and_delay_keep_every_answer_correct(on_hosts, hosts, refer
            lossy_p99_ms=round(1e3 * float(np.percentile(lossy, 99)), 1))
 
 
-def test_a_one_second_flap_loses_nothing_and_the_worker_comes_back(on_hosts, hosts, steered):
+def test_a_one_second_flap_loses_nothing_and_the_worker_comes_back(served, hosts, steered):
     """C's cable out for 1 s under load: nothing wrong, every request answered or refused
     within --worker-timeout, C serving again soon after, no verbs context left behind."""
-    timeout = 5.0
-    wb, wc, gw = serve(on_hosts, hosts, worker_timeout=timeout)
+    timeout = served.WORKER_TIMEOUT
+    wc, gw = served.wc, served.gw
     c = hosts["c"]
     with GatewayClient(gw.url, timeout=30.0) as cl:
         assert _answers(cl, steered[1][0], steered[1][1])
@@ -140,12 +139,12 @@ def test_a_one_second_flap_loses_nothing_and_the_worker_comes_back(on_hosts, hos
            link_up_to_serving_s=round(back, 3), worst_s=round(max(d for _, _, d, _ in s.log), 3))
 
 
-def test_a_cut_longer_than_the_retry_budget_reports_the_worker_down(on_hosts, hosts, steered):
+def test_a_cut_longer_than_the_retry_budget_reports_the_worker_down(served, hosts, steered):
     """C's cable out for 8 s: C is reported down, what B holds is served all along, and C is
     taken back once the cable is in."""
-    timeout = 5.0
+    timeout = served.WORKER_TIMEOUT
     (low, y_low), (high, y_high) = steered
-    wb, wc, gw = serve(on_hosts, hosts, worker_timeout=timeout)
+    gw = served.gw
     c = hosts["c"]
     with GatewayClient(gw.url, timeout=30.0) as cl:
         assert _answers(cl, high, y_high)
@@ -214,12 +213,12 @@ def make_pair_on():
     assert live_resources() == {}
 
 
-def test_a_worker_host_s_device_removed_while_serving(on_hosts, hosts, steered):
+def test_a_worker_host_s_device_removed_while_serving(served, hosts, steered):
     """``rdma link delete`` of C's device under load: C's worker gives the device up at once
     (the removal completes, which it cannot while a process holds the device), the gateway
     loses C and refuses what needs it, B serves on; the device re-added, C is taken back."""
-    timeout = 5.0
-    wb, wc, gw = serve(on_hosts, hosts, worker_timeout=timeout)
+    timeout = served.WORKER_TIMEOUT
+    wc, gw = served.wc, served.gw
     c = hosts["c"]
     with Stream(gw.url, steered, timeout) as s:
         time.sleep(1.0)

@@ -16,29 +16,17 @@ from gateway.client import GatewayClient
 from tests import models_fixture as mf
 from tests.helpers_procs import wait_until
 from tests.rdma.two_hosts.conftest import verbs_contexts
-from tests.test_fault_workers import (D, E, F, HIGH, K, LOW, MAX_BATCH, ROWS, SEED, TOL, _answers,  # noqa: F401
-                                      reference, steered)
+from tests.test_fault_workers import D, TOL, _answers, reference, steered  # noqa: F401
 from workers import protocol as P
 
 pytestmark = [pytest.mark.rdma, pytest.mark.timeout(600)]
 CASE = "deepseek_v3-float32"  # strict float32 tolerance; the other family runs on one device
 
 
-def serve(on_hosts, hosts, worker_timeout: float = 10.0):
-    """Workers on B (experts 0-3) and C (4-7), the gateway on A; (w_b, w_c, gateway)."""
+def test_a_gateway_on_a_serves_workers_on_b_and_c_equal_to_the_reference(served, hosts, reference):
+    wb, wc, gw = served.wb, served.wc, served.gw
     a, b, c = hosts.hosts
-    wb = on_hosts.worker(b, LOW, d_model=D, d_ff=F, seed=SEED, max_tokens=ROWS)
-    wc = on_hosts.worker(c, HIGH, d_model=D, d_ff=F, seed=SEED, max_tokens=ROWS)
     assert wb.url.startswith(f"rdma://{b.ip}:") and wc.url.startswith(f"rdma://{c.ip}:")
-    gw = on_hosts.gateway(a, [wb.url, wc.url], d_model=D, d_ff=F, n_experts=E, top_k=K, seed=SEED,
-                          max_batch_tokens=MAX_BATCH, max_wait_ms=0, worker_timeout=worker_timeout,
-                          connect_timeout=60)
-    return wb, wc, gw
-
-
-def test_a_gateway_on_a_serves_workers_on_b_and_c_equal_to_the_reference(on_hosts, hosts, reference):
-    wb, wc, gw = serve(on_hosts, hosts)
-    a = hosts["a"]
     before = hosts.counters(a)
     rng = np.random.default_rng(7)
     with GatewayClient(gw.url, timeout=60.0) as cl:
@@ -72,16 +60,15 @@ def test_a_checkpoint_served_across_the_link_equals_transformers(on_hosts, hosts
                             extra=["--checkpoint", ckpt, "--compute", "numpy"])
         urls.append(w.url)
     gw = on_hosts.gateway(a, urls, checkpoint=ckpt, dtype=meta["dtype"], max_batch_tokens=64,
-                          connect_timeout=120, timeout=120)
+                          connect_timeout=120)
     worst, workers = mf.compare_layers(gw.url, d, timeout=120)
     assert [w["url"] for w in workers] == urls
     assert worst <= mf.TOL[meta["dtype"]]
 
 
-def test_a_worker_on_another_host_sigkilled_and_restarted_is_taken_back(on_hosts, hosts, steered):
+def test_a_worker_on_another_host_sigkilled_and_restarted_is_taken_back(served, steered):
     (low, y_low), (high, y_high) = steered
-    wb, wc, gw = serve(on_hosts, hosts)
-    c = hosts["c"]
+    wc, gw = served.wc, served.gw
     with GatewayClient(gw.url, timeout=30.0) as cl:
         assert _answers(cl, low, y_low) and _answers(cl, high, y_high)
         wc.kill()
@@ -92,8 +79,7 @@ def test_a_worker_on_another_host_sigkilled_and_restarted_is_taken_back(on_hosts
                 cl.forward(high)
             assert info.value.code in (P.UNAVAILABLE, P.WORKER_FAILED)
             assert time.monotonic() - t < 5.0  # fails fast, not at a deadline
-        on_hosts.services.remove(wc)
-        wc = on_hosts.worker(c, HIGH, url=wc.url, d_model=D, d_ff=F, seed=SEED, max_tokens=ROWS)
+        wc = served.restart_c()
         back = time.monotonic()
         assert wait_until(lambda: _answers(cl, high, y_high), timeout=20.0, interval=0.05)
         took = time.monotonic() - back
@@ -103,10 +89,10 @@ def test_a_worker_on_another_host_sigkilled_and_restarted_is_taken_back(on_hosts
     print(f"worker on C back in service {took:.2f} s after its restart printed LISTENING")
 
 
-def test_a_worker_on_another_host_sigstopped_delays_only_what_needs_it(on_hosts, hosts, steered):
+def test_a_worker_on_another_host_sigstopped_delays_only_what_needs_it(served, steered):
     (low, y_low), (high, y_high) = steered
-    timeout = 8.0
-    wb, wc, gw = serve(on_hosts, hosts, worker_timeout=timeout)
+    timeout = served.WORKER_TIMEOUT
+    wc, gw = served.wc, served.gw
     with GatewayClient(gw.url, timeout=30.0) as cl:
         assert _answers(cl, high, y_high)
         os.kill(wc.pid, signal.SIGSTOP)
