@@ -44,7 +44,13 @@ _V4_MAPPED = "0000:0000:0000:0000:0000:ffff:"
 
 
 def sh(*args: str, timeout: float = 30.0, check: bool = True) -> str:
-    r = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+    """Run a command; its stdout. ``check=False``: failures (a timeout too) give ""."""
+    try:
+        r = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        if check:
+            raise
+        return ""
     if check and r.returncode != 0:
         raise RuntimeError(f"{' '.join(args)}: exit {r.returncode}: {r.stderr.strip()}")
     return r.stdout
@@ -105,6 +111,11 @@ class Host:
     def argv(self, argv: Sequence[str]) -> list:
         """``argv`` run as this host's user (setpriv execs: the pid is the program's)."""
         return ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", "--", *argv]
+
+    @property
+    def python(self) -> str:
+        """A python3 that runs as this host's user (for tools that take an interpreter path)."""
+        return f"{HOME_ROOT}/bin/python-{self.name}"
 
     def popen(self, argv: Sequence[str], **kw) -> subprocess.Popen:
         kw["env"] = self.env(kw.get("env"))
@@ -176,6 +187,10 @@ class Link:
         sh("ip", "rule", "add", "pref", "11", "uidrange", f"{h.uid}-{h.uid}", "lookup", str(h.table))
 
     def _home(self, h: Host) -> None:
+        os.makedirs(f"{HOME_ROOT}/bin", mode=0o755, exist_ok=True)
+        with open(h.python, "w") as f:
+            f.write("#!/bin/sh\nexec " + " ".join(h.argv(["python3"])) + ' "$@"\n')
+        os.chmod(h.python, 0o755)
         os.makedirs(h.home, mode=0o700, exist_ok=True)
         os.chown(h.home, h.uid, h.uid)
         src = os.environ.get("MOE_SECRET_FILE")
@@ -261,6 +276,7 @@ class Link:
             sh("ip", "route", "flush", "table", str(h.table), check=False)
             sh("ip", "link", "del", h.netdev, check=False)
             shutil.rmtree(h.home, ignore_errors=True)
+        shutil.rmtree(HOME_ROOT, ignore_errors=True)
         sh("ip", "rule", "add", "pref", "0", "lookup", "local", check=False)  # EEXIST if there
         sh("ip", "rule", "del", "pref", str(LOCAL_PREF), "lookup", "local", check=False)
         sh("ip", "netns", "del", WIRE_NS, check=False)
