@@ -77,3 +77,30 @@ def test_perftest_latency_parses_a_nan_stdev():
                                        "p999": 391112.92}
     ok = out.replace("-nan", "12.5")
     assert perftest.parse_lat(ok)["p50"] == 166568.54
+
+
+def test_a_perftest_pair_that_failed_to_meet_is_run_once_more(monkeypatch):
+    """A server that gave up before its client connected costs one retry, not the row."""
+    a = DeviceChoice("rxa", 1, 1, "0000:0000:0000:0000:0000:ffff:c612:0001", "198.18.0.1", True)
+    tries = []
+    lat = (" 64 1000 1.0 9.0 2.0 2.5 0.5 8.0 9.0\n")
+    bw = (" 64 1000 10.0 9.0 0.15\n")
+
+    def fake(tool, size, iters, choice, timeout=300, server=None):
+        tries.append(tool)
+        if len(tries) == 1:
+            raise perftest.PerftestError("Couldn't connect")
+        return lat if tool == "ib_send_lat" else bw
+
+    monkeypatch.setattr(perftest, "run_tool", fake)
+    row = perftest.measure(64, 1000, 1000, a)
+    assert tries == ["ib_send_lat", "ib_send_lat", "ib_send_bw", "ib_write_bw"]
+    assert row["lat_us"]["p50"] == 2.0 and row["write_bw_gbps"] > 0
+    tries.clear()
+    monkeypatch.setattr(perftest, "run_tool", lambda *a, **k: (_ for _ in ()).throw(perftest.PerftestError("no")))
+    try:
+        perftest.measure(64, 10, 10, a)
+    except perftest.PerftestError:
+        pass
+    else:
+        raise AssertionError("two failures must raise")
