@@ -1,4 +1,7 @@
-"""An established rdma:// connection: the message path, credits, completions and waits.
+"""An established rdma:// connection: set-up, the message path, credits, completions and waits.
+
+This module holds the set-up, waits and teardown; the Python send side is in rdma_send.py,
+the receive side in rdma_recv.py, the credits in rdma_credits.py (mixins of one class).
 
 Message path (every message is one framing.py DATA frame: prefix, msgpack header, then the
 payload at the next 64-byte boundary; or, to a peer whose QP HELLO lists CAP_RDMA_FAST, the
@@ -49,21 +52,23 @@ import os
 import select
 import socket
 import time
-from typing import Any, Optional, Sequence
+from typing import Optional
 
 import msgpack
 
 from . import framing
 from .base import BROKEN, CompiledPath, Connection, ConnectionStats, Deadline, Message
-from .errors import ProtocolError, Timeout, TransportError
-from .framing import CLOSE as _CLOSE
-from .pool import BufferPool, Slot, round_up
+from .errors import ProtocolError, TransportError
+from .pool import BufferPool, round_up
 from . import rdma_handshake as hs
 from .rdma_device import DeviceChoice, pick_device
 from .rdma_verbs import E, PyverbsError, Verbs
+from .rdma_credits import RdmaCredits
 from .rdma_pools import Counters
 from .rdma_pools import RoomPool as _RoomPool
 from .rdma_pools import RoomSlot as _RoomSlot
+from .rdma_recv import RdmaRecvPath
+from .rdma_send import RdmaSendPath
 from .rdma_watch import DeviceWatch
 from .timing import RDMA_CLOSE_LINGER
 
@@ -74,14 +79,10 @@ except ImportError as exc:
     _rdmafast = None  # type: ignore[assignment]
     NATIVE_ERROR = str(exc)
 
-PREFIX = framing.PREFIX
 PREFIX_SIZE = framing.PREFIX_SIZE
-MAX_HEADER = framing.MAX_HEADER
-ROOM = round_up(PREFIX_SIZE + MAX_HEADER)  # registered bytes before each send slot
-CTRL_IMM = 0x4D54_4352  # "MTCR": the immediate that marks a credit message
+ROOM = round_up(PREFIX_SIZE + framing.MAX_HEADER)  # registered bytes before each send slot
 NCTRL = 8  # receives each side posts for the peer's credit messages
 CLOSE_LINGER = RDMA_CLOSE_LINGER  # close() waits at most this long for its sends to complete
-_MAGIC, _VERSION, _DATA = framing.MAGIC, framing.VERSION, framing.DATA
 _packb = msgpack.Packer(use_bin_type=True).pack
 
 
@@ -91,14 +92,7 @@ class _FastMessage(Message):
     __slots__ = ()
 
 
-def _wc_status(status: int) -> str:
-    for name in dir(E):
-        if name.startswith("IBV_WC_") and getattr(E, name) == status and "SUCCESS" not in name:
-            return name
-    return str(status)
-
-
-class RdmaConnection(CompiledPath, Connection):
+class RdmaConnection(RdmaRecvPath, RdmaSendPath, RdmaCredits, CompiledPath, Connection):
     """One RC queue pair and its registered pools (see the module docstring)."""
 
     def __init__(self, sock: socket.socket, url: str, *, slot_size: int, nslots: int,
@@ -305,475 +299,8 @@ class RdmaConnection(CompiledPath, Connection):
     def in_registered_memory(self, buf) -> bool:
         return self.recv_pool.contains(buf) or self._rbuf.contains(buf)
 
-    def _alloc_py(self, nbytes: int, timeout: Optional[float] = None) -> Slot:
-        if self._state:
-            raise self._closed_error()
-        if not 0 <= nbytes <= self.max_message:
-            raise ValueError(f"{nbytes} bytes exceed the peer's largest message ({self.max_message})")
-        slot = self.send_pool.try_alloc()
-        if slot is None:
-            slot = self._wait_slot(Deadline(timeout, self.default_timeout))
-            if self._fd_used:
-                self._quiesce()
-        return slot.resize(nbytes)
-
-    def _recv_py(self, timeout: Optional[float] = None) -> Message:
-        inbox = self._inbox
-        if inbox:
-            return inbox.popleft()
-        if self._state >= BROKEN:
-            raise self._closed_error()
-        deadline = None
-        while True:
-            if self._c.sq_used > self._verbs.sq_depth // 2:
-                self._poll_send()
-            self._poll_recv()
-            if inbox:
-                if self._fd_used:
-                    self._quiesce()
-                return inbox.popleft()
-            if self._state:
-                raise self._closed_error()
-            if deadline is None:
-                deadline = Deadline(timeout, self.default_timeout)
-            self._wait(deadline, "waiting for a message")
-
-    def _send_py(self, header: Any, buffers: Sequence = (), timeout: Optional[float] = None) -> None:
-        pool = self.send_pool if not self._torn else None
-        own: list = []  # our send slots: they belong to the transport from here on
-        try:
-            segs, lens, total = self._segments(buffers, pool, own)
-            if self._state:
-                raise self._closed_error()
-            if total > self.max_message:
-                raise ValueError(f"message of {total} bytes exceeds the peer's limit of {self.max_message}")
-            head = framing.encode_header(header, lens)  # TypeError before anything is sent
-            if len(head) > MAX_HEADER:
-                raise ValueError(f"header of {len(head)} bytes exceeds the limit of {MAX_HEADER}")
-            deadline = None
-            if self._c.tx_credits <= 0:
-                deadline = Deadline(timeout, self.default_timeout)
-                self._stats.credit_stalls += 1
-                while self._c.tx_credits <= 0:
-                    if self._state:
-                        raise self._closed_error()
-                    self._wait(deadline, "waiting for credits")
-            if segs and segs[-1] is None:  # unregistered buffers: one copy into one slot
-                deadline = deadline or Deadline(timeout, self.default_timeout)
-                segs = self._stage(buffers, segs, own, deadline)
-            self._post_data(header, head, lens, segs, total, own, timeout, deadline)
-            own = []
-        finally:
-            for s in own:
-                s.release()
-        if self._fd_used:
-            self._quiesce()
-
     # the Python methods are the public ones where the compiled path is not built (below)
-    recv, alloc, send = _recv_py, _alloc_py, _send_py
-
-    # ------------------------------------------------------------------ sending
-    def _segments(self, buffers: Sequence, pool, own: list):
-        """The message's non-empty segments in order: (addr, len) for our slots, None for
-        buffers still to be staged; the header's buffer lengths; the total."""
-        if len(buffers) > framing.MAX_BUFFERS:
-            for b in buffers:
-                if isinstance(b, _RoomSlot) and b.pool is pool:
-                    own.append(b)
-            raise ValueError(f"{len(buffers)} buffers exceed the limit of {framing.MAX_BUFFERS}")
-        segs: list = []
-        lens: list = []
-        total = 0
-        staged = False
-        for b in buffers:
-            if type(b) is _RoomSlot and b.pool is pool:
-                if b in own:
-                    raise ValueError("the same slot appears twice in one message")
-                own.append(b)
-                n = b.nbytes
-                if n:
-                    segs.append((pool.address + b.offset, n))
-            else:
-                n = memoryview(b).nbytes
-                if n:
-                    segs.append(None)
-                    staged = True
-            lens.append(n)
-            total += n
-        if staged:
-            segs.append(None)  # marker: _stage() must run
-        return segs, lens, total
-
-    def _stage(self, buffers: Sequence, segs: list, own: list, deadline: Deadline) -> list:
-        slot = self._wait_slot(deadline)
-        own.append(slot)
-        pool = self.send_pool
-        base = pool.address + slot.offset
-        mem = slot.whole
-        out, off, i = [], 0, 0
-        for b in buffers:
-            if type(b) is _RoomSlot and b.pool is pool:
-                if b.nbytes:
-                    out.append(segs[i])
-                    i += 1
-                continue
-            mv = memoryview(b)
-            n = mv.nbytes
-            if not n:
-                continue
-            if mv.ndim != 1 or mv.format != "B":
-                mv = mv.cast("B") if mv.c_contiguous else memoryview(mv.tobytes())
-            mem[off:off + n] = mv
-            self._stats.copies += 1
-            if out and out[-1][0] + out[-1][1] == base + off:
-                out[-1] = (out[-1][0], out[-1][1] + n)  # adjacent staged buffers: one segment
-            else:
-                out.append((base + off, n))
-            off += n
-            i += 1
-        return out
-
-    def _post_data(self, user, head, lens, segs, total, own, timeout, deadline) -> None:
-        hdr = None
-        try:
-            if not segs:  # header only: it needs registered memory of its own
-                deadline = deadline or Deadline(timeout, self.default_timeout)
-                hdr = self._wait_hdr(deadline)
-            if self._c.sq_used + max(1, len(segs)) > self._verbs.sq_depth:
-                deadline = deadline or Deadline(timeout, self.default_timeout)
-                self._ensure_sq(max(1, len(segs)), deadline)
-        except BaseException:
-            if hdr is not None:
-                hdr.release()
-            raise
-        # from here on nothing waits (so the credits owed cannot change under us): the
-        # message is posted or the connection is dead
-        extra = self._take_owed(peek=True)
-        if extra is not None:
-            h2 = framing.encode_header(user, lens, extra)
-            if len(h2) <= MAX_HEADER:
-                head = h2
-            else:
-                extra = None  # no room to piggyback: the credits go in a credit message
-        hl = len(head)
-        off = round_up(PREFIX_SIZE + hl)
-        small = len(segs) <= 1 and off + total <= self._peer_small
-        if hdr is not None:
-            mem, pos = self._hdr.memory, hdr.offset
-            sges = [(self._hdr.address + pos, PREFIX_SIZE + hl, self._hdr_lkey)]
-        else:
-            a, n = segs[0]
-            pool = self.send_pool
-            pos = a - off - pool.address
-            mem = pool.memory
-            sges = [(a - off, off + n, self._send_lkey)]
-            sges.extend((sa, sn, self._send_lkey) for sa, sn in segs[1:])
-        PREFIX.pack_into(mem, pos, _MAGIC, _VERSION, _DATA, hl, total)
-        mem[pos + PREFIX_SIZE:pos + PREFIX_SIZE + hl] = head
-        if extra is not None:
-            self._take_owed()
-        self._c.tx_credits -= 1
-        if small:
-            self._post_chain(sges, E.IBV_WR_SEND, 0, None, own, hdr)
-        else:
-            s = self._tx_slots.popleft()
-            self._tx_free[s] = 0
-            self._post_chain(sges, E.IBV_WR_RDMA_WRITE_WITH_IMM, socket.htonl(s),
-                             self._raddr + s * self._rstride, own, hdr)
-        self._stats.messages_sent += 1
-        self._stats.bytes_sent += total
-
-    def _post_chain(self, sges, opcode, imm, raddr, slots, hdr) -> None:
-        """Post one message: one WR per scatter entry (WRITEs to consecutive offsets of the
-        remote slot, then the final ``opcode``), the last one signaled if it is due."""
-        wr, sge = self._wr, self._sge
-        self._c.wr_seq += 1
-        wid = self._c.wr_seq
-        signaled = self._c.unsig + 1 >= self._sig_every or self.send_pool.available <= self._sig_every
-        self._c.unsig = 0 if signaled else self._c.unsig + 1
-        last = len(sges) - 1
-        # one small SEND goes inline: its bytes are in the work request once posted
-        inline = self._max_inline and not last and opcode != E.IBV_WR_RDMA_WRITE and sges[0][1] <= self._max_inline
-        roff = 0
-        try:
-            for i, (addr, length, lkey) in enumerate(sges):
-                sge.addr = addr
-                sge.length = length
-                sge.lkey = lkey
-                wr.wr_id = wid
-                if i < last:
-                    wr.opcode = E.IBV_WR_RDMA_WRITE
-                    wr.send_flags = 0
-                else:
-                    wr.opcode = opcode
-                    wr.send_flags = (E.IBV_SEND_SIGNALED if signaled else 0) | (E.IBV_SEND_INLINE if inline else 0)
-                    wr.imm_data = imm
-                if raddr is not None:
-                    wr.set_wr_rdma(self._rkey, raddr + roff)
-                    roff += length
-                self._qp.post_send(wr)
-        except PyverbsError as exc:
-            self._fail(f"posting a send failed: {exc}")  # the caller frees the slots
-            raise self._closed_error() from None
-        self._c.sq_used += len(sges)
-        if inline:  # the slots were read when posted: they are ours again
-            for s in slots:
-                s.release()
-            if hdr is not None:
-                hdr.release()
-            slots, hdr = (), None
-            self._c.inline_sends += 1
-        self._inflight.append([wid, len(sges), slots, hdr])
-
-    def _fence(self) -> None:
-        """A signaled zero-byte WRITE: completes every unsignaled send before it, so their
-        slots come back when nothing else would be signaled."""
-        if self._c.sq_used + 1 > self._verbs.sq_depth:
-            return
-        self._c.unsig = self._sig_every  # force the signal
-        self._post_chain([(self._hdr.address, 0, self._hdr_lkey)], E.IBV_WR_RDMA_WRITE, 0,
-                         self._raddr, [], None)
-
-    def _reclaim(self) -> int:
-        n = self._poll_send() if self._c.sq_used else 0
-        if not n and self._c.unsig and self._inflight and not self._qp_error:
-            self._fence()
-        return n
-
-    def _wait_slot(self, deadline: Deadline) -> Slot:
-        pool = self.send_pool
-        while True:
-            s = pool.try_alloc()
-            if s is not None:
-                return s
-            self._check_usable()
-            if not self._inflight:  # every slot is held by the caller: nothing will free one
-                raise Timeout(f"all {pool.nslots} send slots are held by the caller")
-            if not self._reclaim():
-                self._wait(deadline, "waiting for a send slot", send=True)
-
-    def _wait_hdr(self, deadline: Deadline) -> Slot:
-        while True:
-            h = self._hdr.try_alloc()
-            if h is not None:
-                return h
-            self._check_usable()
-            if not self._reclaim():
-                self._wait(deadline, "waiting for the send queue", send=True)
-
-    def _ensure_sq(self, nwr: int, deadline: Deadline) -> None:
-        while self._c.sq_used + nwr > self._verbs.sq_depth:
-            self._check_usable()
-            if not self._reclaim():
-                self._wait(deadline, "waiting for the send queue", send=True)
-
-    # ------------------------------------------------------------------ credits
-    def _take_owed(self, peek: bool = False):
-        if not (self._c.owed_credits or self._c.owed_acks):
-            return None
-        extra = [self._c.owed_credits, self._c.owed_acks, list(self._owed_slots)]
-        if not peek:
-            self._c.unreturned -= self._c.owed_credits
-            self._c.owed_credits = self._c.owed_acks = 0
-            self._owed_slots.clear()
-        return extra
-
-    def _release_message(self, token: int) -> None:
-        """A message was released: token >= 0 is a receive buffer, -1 - slot a slot."""
-        if token >= 0:
-            self._release(token, False)
-        else:
-            self._release(-1 - token, True)
-
-    def _release(self, index: int, large: bool) -> None:
-        if self._state >= BROKEN or self._qp_error:
-            return
-        if large:
-            self.recv_pool.free(index)
-            self._owed_slots.append(index)
-        else:
-            try:
-                self._qp.post_recv(self._rwrs[index])
-            except PyverbsError as exc:
-                self._fail(f"re-posting a receive failed: {exc}")
-                return
-        self._c.owed_credits += 1
-        # batch credit returns, except when the sender has none left (it is waiting)
-        if self._c.owed_credits >= self._flush_at or self._c.unreturned >= self._recv_nslots:
-            self._flush(force=True)
-
-    def _flush(self, force: bool = False) -> None:
-        """Send a credit message when credits or acks are due (``force``: we are about to
-        sleep, so return any credit at all: the peer may be waiting for it)."""
-        oc, oa = self._c.owed_credits, self._c.owed_acks
-        if not (oc >= self._flush_at or oa >= self._ack_at or (force and oc)):
-            return
-        if self._state:
-            return
-        budget = self._c.ctrl_budget
-        if budget < 1 or (budget == 1 and not oa):  # the last one is kept for acks
-            return
-        if self._c.sq_used + 1 > self._verbs.sq_depth:
-            self._reclaim()
-            if self._c.sq_used + 1 > self._verbs.sq_depth:
-                return
-        hdr = self._hdr.try_alloc()
-        if hdr is None:
-            self._reclaim()
-            hdr = self._hdr.try_alloc()
-            if hdr is None:
-                return  # retried at the next wait
-        body = _packb(self._take_owed())
-        hdr.whole[:len(body)] = body
-        self._c.ctrl_budget -= 1
-        self._post_chain([(self._hdr.address + hdr.offset, len(body), self._hdr_lkey)],
-                         E.IBV_WR_SEND_WITH_IMM, socket.htonl(CTRL_IMM), None, [], hdr)
-
-    def _apply(self, credits: int, acks: int, slots: list) -> None:
-        """Credits, acks and slot indexes the peer returned (framing.check_credit_return
-        checked their form; here: a peer cannot hand us credits it never had)."""
-        free = self._tx_free
-        for s in slots:
-            if not s < self._peer_nslots or free[s]:
-                raise ProtocolError(f"credit for slot {s!r}, which we do not hold")
-            free[s] = 1
-        self._tx_slots.extend(slots)
-        self._c.tx_credits += credits
-        self._c.ctrl_budget += acks
-        if (self._c.tx_credits > self._peer_nslots or self._c.ctrl_budget > self._peer_nctrl
-                or len(self._tx_slots) < self._c.tx_credits):
-            raise ProtocolError("the peer returned more credits than it was given")
-
-    # ------------------------------------------------------------------ completions
-    def _poll_send(self) -> int:
-        """One poll of the send CQ, the in-flight records up to each completion retired (in C
-        where the compiled path runs); after a QP error, all of them."""
-        inflight = self._inflight
-        if self._link is not None:
-            n = self._link.poll_send(self)
-        else:
-            n, wcs = self._send_cq.poll(16)
-            for wc in wcs:
-                if wc.status != E.IBV_WC_SUCCESS:
-                    self._send_failed(wc.status)
-                while inflight:
-                    rec = inflight.popleft()
-                    self._retire(rec)
-                    if rec[0] == wc.wr_id:
-                        break
-        if self._qp_error:  # flushed or not, nothing in flight will complete any more
-            while inflight:
-                self._retire(inflight.popleft())
-            self._c.sq_used = 0
-        return n
-
-    def _retire(self, rec: list) -> None:
-        """A completed in-flight record: its send queue entries and slots come back."""
-        self._c.sq_used -= rec[1]
-        for s in rec[2]:
-            s.release()
-        if rec[3] is not None:
-            rec[3].release()
-
-    def _send_failed(self, status: int) -> None:
-        self._fail(f"send failed: {_wc_status(status)}")
-
-    def _poll_recv(self) -> int:
-        """One poll of the receive CQ, processed; the number of completions."""
-        if self._link is not None:
-            return self._link.poll(self)  # fast SENDs in C, the rest through _on_completions
-        n, wcs = self._recv_cq.poll(16)
-        if n:
-            self._on_completions([(wc.wr_id, wc.status, wc.opcode, wc.wc_flags, wc.byte_len, wc.imm_data)
-                                  for wc in wcs])
-        return n
-
-    def _on_completions(self, wcs: list) -> None:
-        """Receive completions ``(wr_id, status, opcode, wc_flags, byte_len, imm_data)``, in
-        the order polled; a protocol error tears the connection down and raises."""
-        try:
-            for wr_id, status, op, flags, length, imm in wcs:
-                if status != E.IBV_WC_SUCCESS:
-                    self._fail(f"receive failed: {_wc_status(status)}")
-                    continue
-                if op == E.IBV_WC_RECV:
-                    if flags & E.IBV_WC_WITH_IMM:
-                        self._on_ctrl(wr_id, length, imm)
-                    else:
-                        self._on_small(wr_id, length)
-                elif op == E.IBV_WC_RECV_RDMA_WITH_IMM:
-                    self._on_large(wr_id, imm)
-                else:
-                    raise ProtocolError(f"unexpected receive completion opcode {op}")
-        except (ProtocolError, ValueError) as exc:
-            err = exc if isinstance(exc, ProtocolError) else ProtocolError(str(exc))
-            self._abort(f"protocol error: {err}")
-            raise err from None
-        if self._c.owed_acks >= self._ack_at or self._c.owed_credits >= self._flush_at:
-            self._flush()
-
-    def _message(self, user, lens, extra, mem, p: int, token: int) -> None:
-        """A decoded DATA frame whose payload starts at ``mem[p]``: apply the credits it
-        carries, queue it as a message."""
-        if extra is not None:
-            self._apply(*framing.check_credit_return(extra))
-        bufs = []
-        start = p
-        for n in lens:
-            bufs.append(mem[p:p + n])
-            p += n
-        st = self._stats
-        st.messages_received += 1
-        st.bytes_received += p - start
-        self._c.unreturned += 1
-        self._inbox.append(Message(user, bufs, None, self, token))
-
-    def _on_small(self, i: int, length: int) -> None:
-        if not 0 <= i < len(self._rwrs):
-            raise ProtocolError(f"a receive completion for buffer {i}, which we never posted")
-        rb = self._rbuf
-        fast = framing.parse_rdma_fast(rb.memory, i * rb.stride, length, self._recv_max)
-        if fast is not None:  # the compiled sender's fixed-width form (we announced CAP_RDMA_FAST)
-            user, ret, p, k = fast
-            self._message(user, (k,), ret, rb.memory, p, i)
-            return
-        kind, user, lens, extra, p = framing.decode_in_buffer(rb.memory, i * rb.stride, length, rb.slot_size,
-                                                              self._recv_max)
-        if kind == _CLOSE:  # the peer says goodbye
-            self._qp.post_recv(self._rwrs[i])
-            self._to_peer_gone("peer closed the connection")
-            return
-        self._message(user, lens, extra, rb.memory, p, i)
-
-    def _on_large(self, i: int, imm: int) -> None:
-        self._qp.post_recv(self._rwrs[i])  # a WRITE WITH IMMEDIATE leaves the buffer unused
-        s = socket.ntohl(imm)
-        if s >= self._recv_nslots:
-            raise ProtocolError(f"WRITE into slot {s}, we have {self._recv_nslots}")
-        pool = self.recv_pool
-        try:
-            pool.take(s)
-        except ValueError:
-            raise ProtocolError(f"the peer wrote into slot {s}, which a message still holds") from None
-        fast = framing.parse_rdma_fast_slot(pool.memory, s * pool.stride, pool.slot_size, self._recv_max)
-        if fast is not None:  # the compiled sender's fixed-width form
-            user, ret, p, k = fast
-            self._message(user, (k,), ret, pool.memory, p, -1 - s)
-            return
-        kind, user, lens, extra, p = framing.decode_in_slot(pool.memory, s * pool.stride, pool.slot_size,
-                                                            self._recv_max)
-        self._message(user, lens, extra, pool.memory, p, -1 - s)
-
-    def _on_ctrl(self, i: int, length: int, imm: int) -> None:
-        if socket.ntohl(imm) != CTRL_IMM:
-            raise ProtocolError(f"SEND with unknown immediate {socket.ntohl(imm):#x}")
-        if not 0 <= i < len(self._rwrs) or length > self._rbuf.slot_size:
-            raise ProtocolError(f"a credit message of {length} bytes in buffer {i}")
-        base = i * self._rbuf.stride
-        returned = framing.decode_credit_message(self._rbuf.memory[base:base + length])
-        self._qp.post_recv(self._rwrs[i])
-        self._c.owed_acks += 1
-        self._apply(*returned)
+    recv, alloc, send = RdmaRecvPath._recv_py, RdmaSendPath._alloc_py, RdmaSendPath._send_py
 
     # ------------------------------------------------------------------ waiting
     def _wait(self, deadline: Deadline, what: str, send: bool = False) -> None:

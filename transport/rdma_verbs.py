@@ -68,6 +68,14 @@ INLINE_SIZES = (256, 128, 64, 0)
 MIN_RNR_TIMER = 12  # 0.64 ms
 
 
+def wc_status_name(status: int) -> str:
+    """The name of a work completion's error status (IBV_WC_...), for messages."""
+    for name in dir(E):
+        if name.startswith("IBV_WC_") and getattr(E, name) == status and "SUCCESS" not in name:
+            return name
+    return str(status)
+
+
 def require_pyverbs() -> None:
     """TransportError with the install hint when pyverbs did not import."""
     if IMPORT_ERROR is not None:
