@@ -130,7 +130,7 @@ def test_refusals_are_logged_at_most_a_burst_per_interval(env, tmp_path):
     """A client hammering with the wrong secret: the gateway's log says so a few times and
     then how many more, instead of a line per attempt."""
     import transport
-    from transport.service import loop as L
+    from transport.service import accepting as L
 
     a, b = secret_file(tmp_path / "a", "aaaa"), secret_file(tmp_path / "b", "bbbb")
     err = tmp_path / "gateway.stderr"

@@ -17,40 +17,34 @@ What no peer may do to a service, and how the loop prevents it:
   timeout, and when the process is out of file descriptors the listener is set aside for a
   growing back-off (logged once per interval) instead of being polled in a tight loop.
 
+Taking connections (sites, handshakes, refusals) is in accepting.py, a mixin of the loop.
 Messages are handed to the listener's ``on_message(conn, msg)``; the handler owns the
 message (releases it). ``on_close(conn, why)`` follows every served connection's end.
 """
 from __future__ import annotations
 
 import collections
-import errno
 import logging
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Sequence
 
 from .. import handshake as hs
-from ..errors import (AcceptFailed, AuthenticationError, ConnectionClosed, ProtocolError, Refused, Timeout,
-                      TransportError)
+from ..errors import ConnectionClosed, ProtocolError, Timeout, TransportError
 from ..poller import Poller
 from ..timing import SPIN_SLEEP_MIN
-from .backoff import Backoff, RateLimit
+from .accepting import Accepting, Served, Site
 from .wake import WakePipe
 
 log = logging.getLogger("moe.serve")
 
 POLL_TICK = 0.5  # the longest the loop sleeps with nothing due (bounds how late a tick runs)
 BATCH = 64  # messages served from one connection per wake-up: nobody starves the others
-ACCEPT_BATCH = 32  # connections taken from one listener per wake-up
 MAX_CONNECTIONS = 1024  # per listener, handshakes in progress included
 IDLE_TIMEOUT = 300.0  # a served connection with no message for this long is closed
 MAX_OUTBOX = 64  # replies held for one connection that cannot take them now
 OUTBOX_TIMEOUT = 10.0  # the oldest held reply's age at which its connection is dropped
 OUTBOX_RETRY = 0.005  # how often held replies are retried (shm returns credits without a wake-up)
-ACCEPT_BACKOFF = (0.05, 1.0)  # first and longest pause of a listener out of file descriptors
-LOG_INTERVAL = 10.0  # rate of repeated warnings (accept failures, refused handshakes)
-REFUSAL_LOG_BURST = 5  # refused handshakes logged one by one per LOG_INTERVAL; the rest are counted
-_OUT_OF_FDS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
 @dataclass
@@ -77,39 +71,7 @@ class ServeStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-@dataclass
-class _Served:
-    """A served connection's book-keeping."""
-
-    conn: Any
-    site: "_Site"
-    last: float  # time of the last message (idle timeout)
-    outbox: collections.deque = field(default_factory=collections.deque)  # (header, buffers, since)
-
-
-@dataclass
-class _Site:
-    """A listener and what is attached to it."""
-
-    listener: Any
-    on_message: Callable[[Any, Any], None]
-    on_open: Optional[Callable[[Any], None]]
-    on_close: Optional[Callable[[Any, Optional[str]], None]]
-    max_connections: int
-    idle_timeout: Optional[float]
-    name: str
-    handshake_timeout: float = hs.HELLO_TIMEOUT
-    pending: set = field(default_factory=set)
-    served: set = field(default_factory=set)
-    paused_until: float = 0.0  # accept back-off (out of file descriptors)
-    backoff: Backoff = field(default_factory=lambda: Backoff(*ACCEPT_BACKOFF))
-    refusals: RateLimit = field(default_factory=lambda: RateLimit(REFUSAL_LOG_BURST, LOG_INTERVAL))
-    watching: bool = True
-    failures: int = 0  # accept failures since the last log line
-    logged_at: float = 0.0
-
-
-class ServeLoop:
+class ServeLoop(Accepting):
     def __init__(self, *, batch: int = BATCH, poll_tick: float = POLL_TICK, max_outbox: int = MAX_OUTBOX,
                  outbox_timeout: float = OUTBOX_TIMEOUT) -> None:
         self.batch = batch
@@ -120,8 +82,8 @@ class ServeLoop:
         self._poller = Poller()
         self._wake = WakePipe()
         self._poller.register(self._wake, ("wake", None))
-        self._sites: list[_Site] = []
-        self._served: dict[Any, _Served] = {}  # connection -> book-keeping
+        self._sites: list[Site] = []
+        self._served: dict[Any, Served] = {}  # connection -> book-keeping
         self._ticks: list[Callable[[float], Optional[float]]] = []
         self._spins: list[Callable[[float], Optional[tuple[float, float]]]] = []
         self._soon: collections.deque = collections.deque()
@@ -137,7 +99,7 @@ class ServeLoop:
                      on_close: Optional[Callable[[Any, Optional[str]], None]] = None,
                      max_connections: int = MAX_CONNECTIONS, idle_timeout: Optional[float] = IDLE_TIMEOUT,
                      name: str = "clients", handshake_timeout: float = hs.HELLO_TIMEOUT) -> None:
-        site = _Site(listener, on_message, on_open, on_close, max(1, max_connections), idle_timeout, name,
+        site = Site(listener, on_message, on_open, on_close, max(1, max_connections), idle_timeout, name,
                      handshake_timeout)
         self._sites.append(site)
         self._poller.register(listener, ("listener", site))
@@ -287,7 +249,7 @@ class ServeLoop:
         """Give back buffers from :meth:`reply_buffer` that will not be sent."""
         _release(buffers)
 
-    def _hold(self, served: _Served, header: Any, buffers: list) -> None:
+    def _hold(self, served: Served, header: Any, buffers: list) -> None:
         served.outbox.append((header, buffers, time.monotonic()))
         self.stats.held_replies += 1
         self._held.add(served.conn)
@@ -430,7 +392,7 @@ class ServeLoop:
                 best = w
         return best
 
-    def _serve(self, conn, served: _Served) -> None:
+    def _serve(self, conn, served: Served) -> None:
         handle = served.site.on_message
         for _ in range(self.batch):
             msg = self.take_waiting(conn)
@@ -465,92 +427,6 @@ class ServeLoop:
             return None
         served.last = time.monotonic()
         return msg
-
-    # -- accepting ---------------------------------------------------------------------------
-    def _accept(self, site: _Site) -> None:
-        for _ in range(ACCEPT_BATCH):
-            try:
-                p = site.listener.accept_pending()
-            except AcceptFailed as e:
-                self._accept_failed(site, e)
-                return
-            if p is None:
-                return
-            site.backoff.reset()
-            if len(site.pending) + len(site.served) >= site.max_connections:
-                self.stats.refused_cap += 1
-                _refuse(p, f"the server is at its connection limit ({site.max_connections})")
-                continue
-            p.deadline = min(p.deadline, time.monotonic() + site.handshake_timeout)
-            site.pending.add(p)
-            self.stats.pending += 1
-            self._poller.register(p, ("pending", site))
-            self._step(site, p)  # the server speaks first: its HELLO goes out now
-
-    def _accept_failed(self, site: _Site, e: AcceptFailed) -> None:
-        site.failures += 1
-        now = time.monotonic()
-        if e.errno in _OUT_OF_FDS:
-            # the connection stays in the kernel's queue, so the listener stays readable: stop
-            # looking at it for a while instead of spinning on it
-            site.paused_until = now + site.backoff.next()
-            if site.watching:
-                self._poller.unregister(site.listener)
-                site.watching = False
-            self.stats.accept_backoffs += 1
-        if now - site.logged_at >= LOG_INTERVAL:
-            log.warning("%s: %s (%d accept failures since the last report; backing off %.2f s)",
-                        site.name, e, site.failures, max(0.0, site.paused_until - now))
-            site.logged_at, site.failures = now, 0
-
-    def _step(self, site: _Site, p) -> None:
-        try:
-            conn = p.step()
-        except Refused as e:  # a secret that does not match, a limit, a version: a WARNING (rate-limited)
-            if isinstance(e, AuthenticationError):
-                self.stats.refused_auth += 1
-            else:
-                self.stats.refused_other += 1
-            allowed, skipped = site.refusals.take(time.monotonic())
-            if allowed:
-                log.warning("%s: refused the handshake of %s: %s%s", site.name, p.peer, e,
-                            f" ({skipped} more refused since the last report)" if skipped else "")
-            return self._pending_failed(site, p, e, logged=True)
-        except TransportError as e:  # garbage (ProtocolError) or a broken peer
-            self.stats.bad_handshakes += 1
-            return self._pending_failed(site, p, e)
-        if conn is None:
-            if p.events == hs.WRITE:
-                self._poller.modify(p, write=True)
-            elif p.events == hs.READ:
-                self._poller.modify(p, write=False)
-            return
-        self._poller.unregister(p)
-        site.pending.discard(p)
-        self.stats.pending -= 1
-        self.stats.accepted += 1
-        served = _Served(conn, site, time.monotonic())
-        self._served[conn] = served
-        site.served.add(conn)
-        self.stats.open = len(self._served)
-        self._poller.register(conn, ("served", served), lazy=True)  # pending() asked only when used
-        if site.on_open is not None:
-            site.on_open(conn)
-        if conn.pending():  # messages that came with the handshake: the fd may stay quiet
-            self._serve(conn, served)
-
-    def _pending_failed(self, site: _Site, p, e: Exception, logged: bool = False) -> None:
-        if not logged:
-            log.info("%s: handshake with %s failed: %s", site.name, p.peer, e)
-        self._poller.unregister(p)
-        site.pending.discard(p)
-        self.stats.pending -= 1
-
-    def _drop_pending(self, site: _Site, p) -> None:
-        self._poller.unregister(p)
-        site.pending.discard(p)
-        self.stats.pending -= 1
-        p.close()
 
     def _sweep(self, now: float) -> None:
         for site in self._sites:
@@ -600,16 +476,3 @@ def _release(buffers) -> None:
                 release()
             except ValueError:
                 pass
-
-
-def _refuse(p, reason: str) -> None:
-    """Tell a client we will not serve it (a REFUSED frame it reads as Refused), close."""
-    from .. import framing
-    import socket
-
-    try:
-        p.sock.send(b"".join(framing.encode_hello({"refused": reason, "code": "capacity"})),
-                    socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
-    except OSError:
-        pass
-    p.close()
