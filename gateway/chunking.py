@@ -183,6 +183,9 @@ class ChunkCosts:
     # from above (see send_s).
     send: dict = field(default_factory=dict)
     serve: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))  # the worker's time on one outside its compute
+    # send_s, serve_s and seconds_per_row until what they read is recorded again: the size
+    # model asks for them for every size it weighs, many times a round
+    _fixed: dict = field(default_factory=dict, repr=False, compare=False)
     # the worker's time between replying to one chunk and taking the next one, already
     # sent: its reply's send, its loop, and its own copying of bytes where the transport
     # makes it copy (tcp: growing with the rows)
@@ -231,12 +234,20 @@ class ChunkCosts:
         smallest messages' as a rule: they copy the fewest bytes), None before the first."""
         if not self.send:
             return None
-        return min(statistics.median(q) for q in self.send.values())
+        got = self._fixed.get("send")
+        if got is None:
+            got = self._fixed["send"] = min(statistics.median(q) for q in self.send.values())
+        return got
 
     @property
     def serve_s(self) -> Optional[float]:
         """The worker's median time on one message outside its compute."""
-        return statistics.median(self.serve) if self.serve else None
+        if not self.serve:
+            return None
+        got = self._fixed.get("serve")
+        if got is None:
+            got = self._fixed["serve"] = statistics.median(self.serve)
+        return got
 
     @property
     def gap_s(self) -> Optional[float]:
@@ -304,10 +315,12 @@ class ChunkCosts:
     def record_send(self, seconds: float, rows: int = 1) -> None:
         if seconds >= 0 and rows > 0:
             self.send.setdefault(_bucket(rows), deque(maxlen=SAMPLES)).append(seconds)
+            self._fixed.pop("send", None)
 
     def record_serve(self, seconds: float) -> None:
         if seconds >= 0:
             self.serve.append(seconds)
+            self._fixed.pop("serve", None)
 
     def record_gap(self, seconds: float, rows: int) -> None:
         if 0.0 <= seconds < 1.0 and rows > 0:  # else a worker clock from elsewhere, or a stop
@@ -334,6 +347,7 @@ class ChunkCosts:
         return min(self.idle) if self.idle else None
 
     def record_compute(self, rows: int, seconds: float) -> None:
+        self._fixed.clear()  # the compute rates read from per_row, and what sent or served left
         if rows <= 0 or seconds < 0:
             return
         acc = self.per_row.setdefault(_bucket(rows), [0.0, 0.0, 0])
@@ -346,12 +360,16 @@ class ChunkCosts:
     def seconds_per_row(self, rows: int, samples: int = 1) -> Optional[float]:
         """Measured compute per row at this size, else at the nearest size measured, of
         the sizes with at least ``samples`` replies measured (None if none has)."""
-        got = [k for k, acc in self.per_row.items() if acc[2] >= samples and acc[1] > 0]
-        if not got:
-            return None
-        b = _bucket(rows)
-        s, n, _ = self.per_row[min(got, key=lambda k: (abs(k - b), -k))]
-        return s / n
+        key = ("per_row", _bucket(rows), samples)
+        if key not in self._fixed:
+            got = [k for k, acc in self.per_row.items() if acc[2] >= samples and acc[1] > 0]
+            if got:
+                b = key[1]
+                s, n, _ = self.per_row[min(got, key=lambda k: (abs(k - b), -k))]
+                self._fixed[key] = s / n
+            else:
+                self._fixed[key] = None
+        return self._fixed[key]
 
 
 def choose_chunks(rows: int, setting: ChunkSetting, costs: Optional[ChunkCosts],
