@@ -141,7 +141,8 @@ CHECKED_LATER = {
     "--compare": st.sampled_from(["nokey=1,2", "batching=", "batching=fifo,nonsense", "max_inflight_rounds=x"]),
 }
 # free text by nature: a file this command writes, an address handed to Ray, a directory made
-FREE_TEXT = {"--json", "--plot", "--markdown", "--log-dir", "--ray-address", "--weights", "--checkpoint"}
+FREE_TEXT = {"--json", "--plot", "--markdown", "--log-dir", "--ray-address", "--weights", "--checkpoint",
+             "--server-device"}
 
 
 def flags() -> list[tuple[str, str]]:

@@ -358,21 +358,27 @@ sys.meta_path.insert(0, _NotInstalled())
 """
 
 
+#: a make of its own, not a sub-make of the `make test` running this file (which would print
+#: "Entering directory" lines and pass its flags down)
+MAKE_ENV = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+
+
 def test_make_run_installs_only_what_the_demo_needs(tmp_path):
     """From a fresh clone (no venv yet) `make run` installs gcc, python3-dev and the package
     without extras; the demo then runs, in every process it starts, with the extras' modules
     made unimportable."""
     venv = tmp_path / "venv"
-    p = subprocess.run(["make", "-n", "run", f"VENV={venv}", "SUDO=sudo", "-W", "transport/_shmfast.c"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(["make", "-n", "--no-print-directory", "run", f"VENV={venv}", "SUDO=sudo", "-W",
+                        "transport/_shmfast.c"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env=MAKE_ENV)
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert "pip install -q -e .\n" in out and ".[" not in out and "torch" not in out
     for pkg in ("docker-compose", "prometheus", "rdma-core", "pyverbs", "libibverbs-dev"):
         assert pkg not in out, pkg
     assert "build_ext --inplace" in out and out.rstrip().endswith("-m gateway.demo --backend shm")
-    full = subprocess.run(["make", "-n", "test", f"VENV={venv}", "SUDO=sudo"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60).stdout
+    full = subprocess.run(["make", "-n", "--no-print-directory", "test", f"VENV={venv}", "SUDO=sudo"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env=MAKE_ENV).stdout
     assert "'.[test,bench,torch,ray,docs]'" in full and "mkdocs build --strict" in full
 
     site = tmp_path / "site"
