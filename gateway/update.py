@@ -134,7 +134,9 @@ class Update:
         self.waiting = {(w, e) for e in self.experts for w in workers_of[e]}
         self._next_auto = None
         self._event("finish")
-        return sorted(self.waiting)
+        retires = sorted(self.waiting)
+        self._maybe_settled()  # no host to retire on (all away or being admitted): done now
+        return retires
 
     def rollback(self) -> list:
         """All traffic back to the old version; returns the (worker, expert) retires of the

@@ -222,6 +222,34 @@ def test_a_worker_returning_mid_update_holds_both_versions_and_the_update_still_
         assert load.ok > 20 and not load.errors, (load.ok, load.errors)
 
 
+def test_finishing_while_the_only_host_is_away_ends_at_once_and_the_host_returns_at_the_new_version(ref):
+    """Expert 3 has one host. It is killed while the update shifts; ``finish`` has no retire
+    to wait for, so the update is done at once (not when some other worker next drops), and
+    the host, restarted from its start-up weights, is admitted holding version 2 only."""
+    _require("tcp")
+    x3 = steered_tokens(ref.router, 8, touching=[3], seed=7)
+    with Services() as s:
+        workers = [s.worker("tcp", ex, d_model=D, d_ff=F, seed=SEED, max_tokens=MAX_BATCH * K)
+                   for ex in ([0, 1, 2, 3], [4, 5, 6, 7])]
+        gw = s.gateway("tcp", workers=[w.url for w in workers], d_model=D, d_ff=F, n_experts=E, top_k=K,
+                       seed=SEED, max_batch_tokens=MAX_BATCH, max_wait_ms=0, worker_timeout=3)
+        st = cli(gw.url, "start", "--experts", "3", "--new-version", "2", "--seed", str(NEW_SEED), "--wait")
+        assert st["state"] == "shifting", st
+        with GatewayClient(gw.url, timeout=20.0) as c:
+            workers[0].kill()
+            assert wait_until(lambda: c.ping()["workers"][0]["state"] != "healthy", timeout=30, interval=0.05)
+            t0 = time.monotonic()
+            st = cli(gw.url, "finish", "--wait", "--timeout", "20")
+            assert st["state"] == "done" and time.monotonic() - t0 < 15, st
+            restarted = restart(s, workers[0])
+            assert restarted.url == workers[0].url
+            assert _healthy_again(c, 0, workers[0].pid)
+            answer(c, ref, x3, {3: 2})
+            pong = c.ping()
+        assert [3, 2, [2]] in pong["workers"][0]["versions"], pong["workers"][0]["versions"]
+        assert pong["admission"]["synced"] == 1 and pong["served"]["generation"] >= 1
+
+
 def test_a_worker_whose_update_source_is_unreadable_is_refused_and_its_experts_never_served_stale(ref, tmp_path):
     """Expert 4 was updated from an .npz in the workers' update directory; the file is gone
     when its worker restarts: the worker is refused (the reason in ping and /metrics), its

@@ -162,3 +162,16 @@ def test_steps_end_at_one_and_same_version_is_refused():
     assert check_steps([0.1, 0.3]) == (0.1, 0.3, 1.0)
     with pytest.raises(UpdateError, match="already active"):
         Update(experts=(1,), old={1: 4}, new=4)
+
+
+def test_finishing_with_no_host_left_is_done_at_once():
+    """Every host of the experts is away (lost, or reconnecting and not admitted yet): there is
+    nothing to retire, so the update does not wait for some later event to end."""
+    up = make()
+    loaded(up)
+    up.on_worker_lost(0)
+    up.on_worker_lost(1)
+    assert up.state == State.SHIFTING
+    assert up.finish({2: [], 5: []}) == []
+    assert up.state == State.DONE and not up.pinning
+    assert [t[1] for t in up.timeline][-2:] == ["finish", "done"]
