@@ -21,7 +21,8 @@ from typing import Optional
 
 import numpy as np
 
-from bench.load import ConfigError, _nan_to_none, measure, note, write_plot
+from bench.load import ConfigError, measure
+from bench.output import nan_to_none, note, write_plot
 
 AXIS_TITLE = {"n_experts": "experts", "top_k": "top-k", "d_model": "d_model", "batching": "batching",
               "balancing": "balancing", "max_inflight_rounds": "rounds in flight", "chunk_rows": "rows per message"}
@@ -138,7 +139,7 @@ def run_points(args, prov: dict) -> int:
                                                   "axes": sorted({p["axis"] for p in args.points}),
                                                   "repeat": repeat, "load": _load_meta(args)},
                "points": points}
-        write_json_atomic(args.json, _nan_to_none(doc))
+        write_json_atomic(args.json, nan_to_none(doc))
         note(f"wrote {args.json}")
     if args.plot:
         write_plot(lambda: plot(points, args.plot, args.slo_tpot_ms), args.plot,

@@ -49,7 +49,6 @@ stderr; the JSON carries the provenance (version, commit, command line, host, da
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import threading
@@ -60,6 +59,7 @@ from typing import Any, Optional
 import numpy as np
 
 from bench import schedule as S
+from bench.output import nan_to_none, note, write_plot
 from bench.stats import reliable
 from gateway.chunking import chunk_rows_flag
 
@@ -382,11 +382,6 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
-
-
-def note(msg: str) -> None:
-    """Progress and diagnostics: stderr, never into the report on stdout."""
-    print(msg, file=sys.stderr, flush=True)
 
 
 # -- the run ---------------------------------------------------------------------------
@@ -921,7 +916,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.mode == "ramp" and moe:
             doc["knee"] = moe[0]["knee"]
             doc["knee_rate"] = (moe[0]["knee"] or {}).get("rate")  # null unless a knee was reached
-        write_json_atomic(args.json, _nan_to_none(doc))
+        write_json_atomic(args.json, nan_to_none(doc))
         note(f"wrote {args.json}")
     if args.plot:
         write_plot(lambda: R.plot(measured, models, args.plot, args.mode, args.slo_tpot_ms), args.plot,
@@ -1010,30 +1005,3 @@ def measure(args: argparse.Namespace) -> dict:
     meta = _meta(args, router, scenario, gw_cfg, runs)
     return {"runs": runs, "measured": measured, "models": models, "ratios": ratios, "targets": targets,
             "meta": meta, "scenario": scenario, "router": router, "leaked": leaked, "rc": rc}
-
-
-def write_plot(draw, path: str, anything: bool = True) -> bool:
-    """Run ``draw`` (which writes ``path``); without matplotlib, say which extra brings it."""
-    if not anything:
-        note("no plot: nothing measured")
-        return False
-    try:
-        draw()
-    except ImportError as e:
-        note(f"no plot: {e} (pip install 'moe-transport[bench]')")
-        return False
-    note(f"wrote {path}")
-    return True
-
-
-def _nan_to_none(x):
-    """JSON has no NaN: an empty histogram's percentiles become null."""
-    if isinstance(x, float):
-        return x if np.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _nan_to_none(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_nan_to_none(v) for v in x]
-    if isinstance(x, np.generic):
-        return _nan_to_none(x.item())
-    return x

@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.moe_bench import FULL, QUICK, TransportSystem
+from bench.moe_layer import (FULL, QUICK, TransportSystem, gain_bounds, no_token_s, shortfall, shortfall_line,
+                              shortfall_medians, warm_up)
 
 FLOPS_PER_ROW = 6  # 3 matmuls x 2 FLOPs x d_model x d_ff per token-expert row
 
@@ -274,7 +275,6 @@ def _measure(B, args, router, owner, systems, layers, direct, name_np, name_ours
             err = float(np.abs(got - want).max() / np.abs(want).max())
             if err > 2e-2:
                 raise AssertionError(f"{name} disagrees with the numpy fp32 layer: {err:.3g}")
-        from bench.moe_bench import warm_up
         for name, sys_ in systems.items():  # untimed: first touches, and auto's choice measuring
             warm_up(sys_, lambda i, sys_=sys_, xs=inputs[name]: sys_.forward(xs[i % len(xs)]), args)
     # per-worker token counts of each batch: what the direct call is timed on
@@ -399,7 +399,6 @@ def _report(results, args, config, compute, wire, cdt, bf16_units, name_np, name
         out["batches"][str(B)] = {"tokens_per_s": tps, "p50_ms": p50, "workers": workers, "stage_ms": med,
                                   "gateway_share": share, "ceiling_tokens_per_s": ceiling}
         if name_ours + "+chunks" in tps:
-            from bench.moe_bench import gain_bounds, no_token_s, shortfall, shortfall_line, shortfall_medians
             g = tps[name_ours + "+chunks"] / ours
             g50 = p50[name_ours] / p50[name_ours + "+chunks"]  # medians, as the bounds'
             # the bounds as moe-bench moe's, from the whole parts' own clocks

@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from bench.moe_bench import SHORTFALL_PARTS
+from bench.moe_layer import SHORTFALL_PARTS
 
 #: the share of the bound chunked rounds aim for
 TARGET = 0.8
@@ -22,7 +22,7 @@ TARGET = 0.8
 
 def summarize(docs: list[dict]) -> list[dict]:
     """One row per (backend, batch) over the runs in ``docs`` (each one run's JSON document):
-    medians and ranges of the chunked rounds' figures (bench.moe_bench.pipelining_gain).
+    medians and ranges of the chunked rounds' figures (bench.moe_layer.pipelining_gain).
     ``sent_whole``: runs whose chunked system sent as many messages as the whole one (auto
     chose whole parts; its share is then noise around 0)."""
     by: dict[tuple[str, int], list[tuple[dict, dict]]] = {}
@@ -90,7 +90,7 @@ def report(rows: list[dict]) -> str:
                   f"({100 * r['control']['min']:+.0f} to {100 * r['control']['max']:+.0f}%)" for r in controlled]
     parted = [r for r in rows if r.get("shortfall")]
     if parted:
-        lines += ["", "where the missing share went (points of the bound, medians over runs; moe_bench.shortfall)",
+        lines += ["", "where the missing share went (points of the bound, medians over runs; moe_layer.shortfall)",
                   f"{'backend':<8} {'tokens':>7} {'missing':>8} {'own no-token':>13} {'worker busier':>14} "
                   f"{'routing':>8} {'rest':>6}"]
         for r in parted:
@@ -147,7 +147,7 @@ def plot(rows: list[dict], path: str, title: Optional[str] = None) -> None:
 
 def _plot_shortfall(ax, rows: list[dict]) -> None:
     """Bars per (backend, batch size): the median points of the bound each part of
-    :func:`bench.moe_bench.shortfall` took, beside the points missing in all."""
+    :func:`bench.moe_layer.shortfall` took, beside the points missing in all."""
     labels = {"own_no_token": "chunked round's own no-token time", "busier": "busiest worker busier",
               "routing": "routing", "rest": "rest (unattributed)"}
     x = np.arange(len(rows))

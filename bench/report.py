@@ -66,9 +66,19 @@ def _index(results: list[dict]) -> dict:
             for r in results if r.get("carried") and "error" not in r}
 
 
-def _table_peers(backend: str) -> list[tuple[str, str]]:
-    from .transport_bench import table_peers
-    return table_peers(backend)
+def zmq_medium(backend: str) -> str:
+    """pyzmq beside a backend: over tcp:// for the network backends, ipc:// beside shm."""
+    return "ipc" if backend == "shm" else "tcp"
+
+
+def table_peers(backend: str) -> list[tuple[str, str]]:
+    """(impl, medium) of the rows shown in a backend's table, ours first."""
+    rows = [("moe-transport", backend), ("raw", backend), ("pyzmq", zmq_medium(backend)), ("pipe", "pipe")]
+    if backend in ("shm", "rdma"):  # the fast path's Python side beside the compiled one
+        rows.insert(1, ("moe-transport-py", backend))
+    if backend == "rdma":
+        rows.append(("perftest", "rdma"))
+    return rows
 
 
 def ratios(results: list[dict]) -> list[dict]:
@@ -80,7 +90,7 @@ def ratios(results: list[dict]) -> list[dict]:
         if impl != "moe-transport":
             continue
         row: dict = {"backend": backend, "figure": fig, "size": size}
-        for pimpl, medium in _table_peers(backend)[1:]:
+        for pimpl, medium in table_peers(backend)[1:]:
             p = idx.get((pimpl, medium, fig, size))
             if p is None:
                 continue
@@ -210,7 +220,7 @@ def targets(results: list[dict]) -> list[dict]:
 
 def _zmq_target(out: list, b: str, idx: dict, row, lat) -> None:
     """Ours slower than pyzmq at no size: judged over the sizes whose rows hold still."""
-    pairs = [(s, row("moe-transport", b, s), row("pyzmq", _zmq(b), s)) for s in sorted({k[3] for k in idx})]
+    pairs = [(s, row("moe-transport", b, s), row("pyzmq", zmq_medium(b), s)) for s in sorted({k[3] for k in idx})]
     pairs = [(s, ours, z) for s, ours, z in pairs if lat(ours) and lat(z)]
     if not pairs:
         return
@@ -228,11 +238,6 @@ def _zmq_target(out: list, b: str, idx: dict, row, lat) -> None:
                 "limit": 1.0, "op": "<", "met": met, "source": "against pyzmq", "noisy": "; ".join(why) or None,
                 "repeats": min(min(o.get("repeats", {}).get("n", 1), z.get("repeats", {}).get("n", 1))
                                for _, o, z in pairs)})
-
-
-def _zmq(backend: str) -> str:
-    from .transport_bench import zmq_medium
-    return zmq_medium(backend)
 
 
 def references(results: list[dict]) -> list[dict]:
@@ -319,7 +324,7 @@ def print_transport(doc: dict, out=None) -> None:
                                                              for r in results)]
     w_lab = 22
     for b in tables:
-        rows = _table_peers(b)
+        rows = table_peers(b)
         for fig in doc["settings"]["figures"]:
             pr()
             pr(f"== {b} · {FIGURE_TITLE[fig]} " + "=" * max(3, 100 - len(b) - len(FIGURE_TITLE[fig])))

@@ -212,21 +212,6 @@ def _url(backend: str, server_device: Optional[str] = None) -> str:
     return f"rdma://{ip}:0"
 
 
-def zmq_medium(backend: str) -> str:
-    """pyzmq beside a backend: over tcp:// for the network backends, ipc:// beside shm."""
-    return "ipc" if backend == "shm" else "tcp"
-
-
-def table_peers(backend: str) -> list[tuple[str, str]]:
-    """(impl, medium) of the rows shown in a backend's table, ours first."""
-    rows = [("moe-transport", backend), ("raw", backend), ("pyzmq", zmq_medium(backend)), ("pipe", "pipe")]
-    if backend in ("shm", "rdma"):  # the fast path's Python side beside the compiled one
-        rows.insert(1, ("moe-transport-py", backend))
-    if backend == "rdma":
-        rows.append(("perftest", "rdma"))
-    return rows
-
-
 def make_peers(backend: str, max_size: int, with_peers: bool, *, slot_size: Optional[int] = None,
                server_cpu: Optional[int] = None, server_device: Optional[str] = None) -> list[peers.Peer]:
     server_device = server_device if backend == "rdma" else None
@@ -253,7 +238,7 @@ def _make_peers(backend, max_size, with_peers, slot_size, server_cpu, server_dev
     others.append(floor(max_size, server_cpu=server_cpu))
     try:
         import zmq  # noqa: F401
-        others.append(peers.ZmqPeer(max_size, transport=zmq_medium(backend), server_cpu=server_cpu))
+        others.append(peers.ZmqPeer(max_size, transport=report.zmq_medium(backend), server_cpu=server_cpu))
     except ImportError:
         print("note: pyzmq is not installed here; its rows are left out (pip install 'moe-transport[bench]')",
               file=sys.stderr)

@@ -61,7 +61,7 @@ def test_the_shortfall_parts_are_the_chunked_rounds_costs_in_points_of_the_bound
     """A chunked forward S ms over the bound's F - I realizes about 1 - S / I of it: its own
     no-token time, a busier worker and slower routing each cost 100 / I points a ms; what
     the medians leave unattributed is the rest."""
-    from bench.moe_bench import gain_bounds, shortfall
+    from bench.moe_layer import gain_bounds, shortfall
     whole = {"no_token": 10.0, "busiest": 130.0, "route": 3.0}
     chunked = {"no_token": 2.0, "busiest": 131.0, "route": 3.5}
     F = 143.0  # the whole forward: route + busiest + no-token
@@ -127,7 +127,7 @@ def test_a_start_that_fails_leaves_no_worker_running(monkeypatch):
     benchmark had spawned are stopped: orphans held the caller's stdout open, and a test
     reading it waited for its whole timeout."""
     import gateway.pool
-    from bench.moe_bench import TransportSystem
+    from bench.moe_layer import TransportSystem
     from gateway.reference import ReferenceMoE
 
     started = []
@@ -151,7 +151,7 @@ def test_chunked_twin_runs_on_the_same_workers_and_cuts_only_its_own_forwards():
     other set last; closing the twin leaves the workers to their owner."""
     import numpy as np
 
-    from bench.moe_bench import TransportSystem
+    from bench.moe_layer import TransportSystem
     from gateway.reference import ReferenceMoE
 
     ref = ReferenceMoE.from_seed(16, 32, 4, 2, seed=0)
@@ -197,7 +197,7 @@ def test_warm_up_goes_on_while_auto_still_measures_both_ways():
     the default warm-up: the bench warms up until it is not (bounded), unless the count is
     fixed, and a system with no auto choice (or not asked any more) gets no more."""
     import argparse
-    from bench.moe_bench import WARMUP_EXTEND, warm_up, warmup_forwards
+    from bench.moe_layer import WARMUP_EXTEND, warm_up, warmup_forwards
     from gateway.chunking import REPROBE_EVERY
     auto, fixed = argparse.Namespace(warmup_forwards=None), argparse.Namespace(warmup_forwards=3)
     n = warmup_forwards(auto)
@@ -226,7 +226,7 @@ def test_warm_up_goes_on_while_auto_still_measures_both_ways():
 
 def test_the_warm_up_line_says_what_autos_choice_stands_on():
     """A run that sent its parts whole shows why: its per-row figures and which way won."""
-    from bench.moe_bench import per_row_line
+    from bench.moe_layer import per_row_line
     from gateway.chunk_mode import ChunkMode
     m = ChunkMode()
     assert per_row_line(m.snapshot()) == ""  # nothing measured: nothing to show

@@ -77,10 +77,10 @@ def test_the_rdma_modules_import_without_pyverbs():
 
 def test_load_plot_without_matplotlib_gives_the_extra_to_install():
     code = hide("matplotlib") + textwrap.dedent("""
-        from bench import load, load_report
+        from bench import load_report, output
         msgs = []
-        load.note = msgs.append
-        ok = load.write_plot(lambda: load_report.plot([], {}, "/nonexistent/x.png", "ramp", 100.0), "x.png")
+        output.note = msgs.append
+        ok = output.write_plot(lambda: load_report.plot([], {}, "/nonexistent/x.png", "ramp", 100.0), "x.png")
         print(ok, msgs)
     """)
     p = run(code)
