@@ -472,6 +472,8 @@ class Cluster:
                     "--max-wait-ms", "1", "--worker-timeout", str(args.worker_timeout),
                     "--max-connections", str(args.max_connections), "--idle-timeout", str(args.idle_timeout),
                     "--connect-timeout", "30"]
+        from bench.chaos_eplb import gateway_flags as eplb_flags
+        gw_flags += eplb_flags(args)
         gw_listen = "tcp://127.0.0.1:0" if backend == "tcp" else f"shm://moe-chaos-{tag}-gw"
         try:
             if kind == "external":
@@ -554,6 +556,11 @@ class Run:
         self.t0 = time.monotonic()
         self.churn_pause, self.churn_idle = threading.Event(), threading.Event()
         self.book = self.versions = self.driver = None
+        self.eplb = None
+        if getattr(args, "eplb", False):
+            from bench.chaos_eplb import ChaosEplb
+
+            self.eplb = ChaosEplb(args, layer)
         if args.updates:
             from bench.chaos_updates import VersionBook
             from bench.versioned import VersionedReference
@@ -591,7 +598,7 @@ class Run:
             try:
                 if client is None:
                     client = self.client()
-                x, y, ex = rng.choice(self.layer.pairs)
+                x, y, ex = self._pick(rng)
                 client.request(x, y, ex, "steady")
                 time.sleep(self.args.pace)
             except Exception as e:
@@ -603,6 +610,10 @@ class Run:
         if client is not None:
             client.drain_duplicates()
             client.close()
+
+    def _pick(self, rng) -> tuple:
+        """A batch and its reference: skewed and shifting under --eplb, else any."""
+        return self.eplb.pick(rng) if self.eplb is not None else rng.choice(self.layer.pairs)
 
     def _churn(self) -> None:
         rng = random.Random(5)
@@ -620,7 +631,7 @@ class Run:
                 continue
             try:
                 for _ in range(rng.randint(1, 5)):
-                    x, y, ex = rng.choice(self.layer.pairs)
+                    x, y, ex = self._pick(rng)
                     c.request(x, y, ex, "churn")
                 c.drain_duplicates()
             except Exception as e:
@@ -740,6 +751,9 @@ class Run:
             i = rng.randrange(2)
             action = "stop" if rng.random() < self.args.stop_fraction else "kill"
             down = rng.uniform(*self.args.down)
+            move = None
+            if self.eplb is not None:  # aimed at a move in progress, if one comes before the next gap
+                i, move = self.eplb.aim(i, wait=max(0.0, min(self.args.gap[1], end - time.monotonic())))
             pong = self._ping()
             pids = self.cluster.worker_pids(pong)
             pid = pids[i]
@@ -748,6 +762,9 @@ class Run:
                 continue
             ev = {"worker": i, "action": action, "pid": pid, "t_signal": time.monotonic() - self.t0,
                   "experts": self.cluster.placement[i]}
+            if self.eplb is not None:
+                ev["experts"] = self.eplb.watch.experts_on(i, time.monotonic())
+                self.eplb.note_action(ev, move)
             if action == "kill":
                 os.kill(pid, signal.SIGKILL)
                 if self.cluster.kind == "external":
@@ -772,7 +789,7 @@ class Run:
             t_return = time.monotonic()
             ev["t_return"] = t_return - self.t0
             ev["new_pid"] = new_pid
-            probe = None if self.replicas > 1 else probes[i]
+            probe = None if self.replicas > 1 or self.eplb is not None else probes[i]
             rec = self._wait_whole(i, new_pid, probe)
             ev["recovery_s"] = rec
             ev["t_whole"] = (t_return + rec - self.t0) if rec is not None else None
@@ -791,6 +808,8 @@ class Run:
                         "placement": self.cluster.placement, "duration_s": a.duration}
         hostile = []
         try:
+            if self.eplb is not None:
+                self.eplb.start(self.cluster.url, self.secret)
             report["p99"] = self.p99_phase()
             log(f"warm-up {a.warmup:.0f} s (steady clients, churn, hostile background)")
             for i in range(a.clients):
@@ -839,8 +858,12 @@ class Run:
             report["gateway_stats"] = pong and {k: pong["gateway"][k] for k in ("requests", "replies", "retried",
                                                                              "failed_requests", "errors")}
             report.update(self.summarize(n_before))
+            if self.eplb is not None:
+                report["eplb"] = self.eplb.report()
         finally:
             self.stop.set()
+            if self.eplb is not None:
+                self.eplb.close()
             for h in hostile:
                 h.close()
             self.cluster.close()
@@ -873,7 +896,8 @@ class Run:
         windows = []
         for ev in self.events:
             end = ev["t_whole"] if ev["t_whole"] is not None else float("inf")
-            only = set(ev["experts"]) - set(self.cluster.placement[1 - ev["worker"]])
+            only = (self.eplb.only(ev, self.t0) if self.eplb is not None else
+                    set(ev["experts"]) - set(self.cluster.placement[1 - ev["worker"]]))
             windows.append((ev["t_signal"] + self.t0 - 0.05, end + self.t0 + 0.5, only))
         unexpected, fail_lat = [], []
         lost = [{"t": o.t_sent - self.t0, "waited_s": o.t_done - o.t_sent, "experts": list(o.experts),
@@ -955,7 +979,8 @@ def targets(r: dict) -> list[dict]:
     ratio = r["p99"]["ratio"]
     add("good client's p99 with the hostile crowd <= 2x without", ratio is not None and ratio <= 2.0, ratio)
     add("nothing left in /dev/shm after stop", not r["dev_shm_left_after_stop"], r["dev_shm_left_after_stop"])
-    return out
+    from bench.chaos_eplb import targets as eplb_targets
+    return out + eplb_targets(r)
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -1014,6 +1039,9 @@ def print_report(doc: dict, out=None) -> None:
               f"{adm.get('synced', 0)} (median {_ms(adm.get('sync_seconds_median'))} ms, max "
               f"{_ms(adm.get('sync_seconds_max'))} ms), refused {adm.get('refused', 0)}; stale answers "
               f"{r['requests']['stale']}, mixed {r['requests']['mixed']}")
+        from bench.chaos_eplb import report_lines
+        for line in report_lines(r):
+            p(line)
         for t in r["targets"]:
             p(f"    [{'met' if t['met'] else 'MISSED' if t['met'] is False else 'n/a'}] {t['target']} ({t['value']})")
     p("")
@@ -1084,7 +1112,7 @@ def run(args) -> int:
         "deadline": args.deadline, "worker_timeout": args.worker_timeout, "gap": list(args.gap),
         "down": list(args.down), "stop_fraction": args.stop_fraction, "max_connections": args.max_connections,
         "idle_timeout": args.idle_timeout, "hostile_idle": args.hostile_idle, "hostile_half": args.hostile_half,
-        "p99_seconds": args.p99_seconds, "seed": args.seed, "updates": args.updates,
+        "p99_seconds": args.p99_seconds, "seed": args.seed, "updates": args.updates, "eplb": args.eplb,
         "bg": {"idle": args.bg_idle, "half_open": args.bg_half, "nonreaders": args.bg_nonreaders,
                "garbage": args.bg_garbage},
         "layer": {"d_model": D_MODEL, "d_ff": D_FF, "n_experts": N_EXPERTS, "top_k": TOP_K,

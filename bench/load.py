@@ -72,7 +72,7 @@ GATEWAY_DEFAULTS = dict(replicas=1, overflow="drop", noisy=False, noise_std=1.0,
                         balancing="load-aware", chunk_rows="auto")
 # --sweep KEY: the layer's shape; --compare KEY: a gateway policy (aliases -> the flag's dest)
 SWEEP_KEYS = {"n_experts": int, "top_k": int, "d_model": int}
-COMPARE_KEYS = {"batching": str, "balancing": str, "max_inflight_rounds": int, "chunk_rows": str}
+COMPARE_KEYS = {"batching": str, "balancing": str, "max_inflight_rounds": int, "chunk_rows": str, "placement": str}
 KEY_ALIASES = {"experts": "n_experts", "k": "top_k", "inflight": "max_inflight_rounds",
                "pipelining": "max_inflight_rounds", "rounds_in_flight": "max_inflight_rounds",
                "chunks": "chunk_rows"}
@@ -182,6 +182,7 @@ class ClientPool:
         self._closing = False
         self.done: list[Done] = []
         self.busy = 0
+        self.on_answer = None  # (bank rows, output, client): bench/load_hooks.py's answer check
         self._clients = [system.client() for _ in range(n)]
         self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True, name=f"load-client-{i}")
                          for i in range(n)]
@@ -241,14 +242,20 @@ class ClientPool:
         now = self.clock.now
         d.start = now()
         d.passes.append((d.start, idx[:P]))
-        c.forward(bank.rows(idx[:P]))
+        y = c.forward(bank.rows(idx[:P]))
         d.first = t = now()
+        if self.on_answer is not None:  # kept for checking; its own time is no decode step's
+            self.on_answer(idx[:P], y, c)
+            t = now()
         for j in range(P, P + D):
             d.passes.append((t, idx[j:j + 1]))
-            c.forward(bank.rows(idx[j:j + 1]))
+            y = c.forward(bank.rows(idx[j:j + 1]))
             t2 = now()
             d.steps.append(t2 - t)
             t = t2
+            if self.on_answer is not None:
+                self.on_answer(idx[j:j + 1], y, c)
+                t = now()
         d.end = t
 
     def close(self) -> None:
@@ -403,6 +410,8 @@ def _resolve(args) -> None:
     if getattr(args, "resolved", False):  # bench.cli validated these flags already
         return
     from bench.load_cli import seconds_to_ms
+    from bench import elastic, placement_bench
+    placement_bench.apply_preset(args)
     seconds_to_ms(args)
     base = FULL if args.full else DEMO
     args.explicit = {k for k in ("d_model", "d_ff", "n_experts", "top_k", "dtype", "capacity_factor",
@@ -467,6 +476,8 @@ def _resolve(args) -> None:
         backends = [scheme]
     args.plan = sorted([("moe-transport", b) for b in backends if "moe-transport" in names]
                        + [(n, None) for n in names if n != "moe-transport"], key=lambda nb: ORDER[nb[0]])
+    placement_bench.resolve(args)
+    elastic.resolve(args)
     args.resolved = True
 
 
@@ -491,8 +502,9 @@ def _points(args) -> list[dict]:
             raise ConfigError(f"--{kind} {spec!r}: {key} takes {table[key].__name__} values") from None
         if len(vals) < 2 or len(set(vals)) != len(vals):
             raise ConfigError(f"--{kind} {spec!r}: give two or more different values")
-        if key in ("batching", "balancing"):
-            allowed = {"batching": ("fifo", "expert-aware"), "balancing": ("load-aware", "least-loaded")}[key]
+        if key in ("batching", "balancing", "placement"):
+            allowed = {"batching": ("fifo", "expert-aware"), "balancing": ("load-aware", "least-loaded"),
+                       "placement": ("static", "replicas", "eplb")}[key]
             bad = [v for v in vals if v not in allowed]
             if bad:
                 raise ConfigError(f"--compare {key}: unknown {bad}; choose from {', '.join(allowed)}")
@@ -607,7 +619,8 @@ def gateway_flags(args) -> list[str]:
         out += ["--noisy", "--noise-std", repr(float(args.noise_std))]
     if args.gate_bias:
         out.append(f"--gate-bias={args.gate_bias}")  # "=": values may start with "-"
-    return out
+    from bench.placement_bench import gateway_flags as placement_flags
+    return out + placement_flags(args)
 
 
 def make_system(name: str, backend: Optional[str], args, router):
@@ -728,6 +741,7 @@ def run_system(name: str, backend: Optional[str], args, router, bank, scenario) 
         out["gateway_started"] = system.proc is not None
     stop = threading.Event()
     pool = None
+    hooks: list = []
     try:
         pool = ClientPool(system, args.concurrency, bank, clock, args.timeout)
         max_n = args.max_requests or None
@@ -739,6 +753,8 @@ def run_system(name: str, backend: Optional[str], args, router, bank, scenario) 
             steps = [S.RampStep(args.rate, args.duration)]
         out["planned_rates"] = [st.rate for st in steps]
         t_run = clock.now()
+        from bench import load_hooks
+        hooks = load_hooks.start(args, name, system, pool, clock, t_run, bank, router)
         verdicts: list = []
         try:
             if args.warmup > 0:
@@ -797,6 +813,9 @@ def run_system(name: str, backend: Optional[str], args, router, bank, scenario) 
     finally:
         if pool is not None:
             pool.close()
+        if hooks:
+            from bench import load_hooks
+            load_hooks.finish(hooks, out)
         if name == "moe-transport":
             out["placement"] = system.placement
         system.close()
@@ -908,8 +927,11 @@ def _run(args: argparse.Namespace) -> int:
         from bench.experiments import run_points
         return run_points(args, prov)
     res = measure(args)
+    from bench.load_hooks import rc as hook_rc
     runs, measured, models, meta = res["runs"], res["measured"], res["models"], res["meta"]
     md = R.markdown(runs, res["ratios"], res["targets"], models, res["scenario"], args, prov, meta)
+    from bench.load_hooks import report as hook_report
+    md += hook_report(runs)
     emit_report(md, args.markdown)
     if args.json:
         moe = [r for r in measured if r["system"] == "moe-transport"]
@@ -926,7 +948,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot(lambda: R.plot(measured, models, args.plot, args.mode, args.slo_tpot_ms), args.plot,
                    bool(measured))
-    return res["rc"]
+        from bench.load_hooks import plots as hook_plots
+        hook_plots(runs, args.plot)
+    return max(res["rc"], hook_rc(runs))
 
 
 def measure(args: argparse.Namespace) -> dict:
