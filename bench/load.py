@@ -49,18 +49,17 @@ stderr; the JSON carries the provenance (version, commit, command line, host, da
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
-from bench import schedule as S
-from bench.stats import reliable
+from bench import load_hooks, schedule as S
+from bench.stats import Histogram
 from gateway.chunking import chunk_rows_flag
 
 DEMO = dict(d_model=256, d_ff=512, prefill=64, decode=8)
@@ -76,7 +75,6 @@ COMPARE_KEYS = {"batching": str, "balancing": str, "max_inflight_rounds": int, "
 KEY_ALIASES = {"experts": "n_experts", "k": "top_k", "inflight": "max_inflight_rounds",
                "pipelining": "max_inflight_rounds", "rounds_in_flight": "max_inflight_rounds",
                "chunks": "chunk_rows"}
-PCTS = (("p50", 50.0), ("p95", 95.0), ("p99", 99.0), ("p999", 99.9))
 MIXED_BURSTINESS = 0.25  # mixed mode's default gamma shape: gaps with a CV of 2
 # peers go after ours, the reference last: its two BLAS threads spin after their work
 ORDER = {"moe-transport": 0, "multiprocessing": 1, "ray": 2, "reference": 3}
@@ -86,59 +84,8 @@ class ConfigError(Exception):
     """The flags contradict each other or the running gateway: refused before any load."""
 
 
-from bench.load_cli import add_arguments, validate  # noqa: E402,F401  (the subcommand's interface)
-
-
-# -- percentiles -----------------------------------------------------------------------
-class Histogram:
-    """Latencies in seconds, percentiles in ms: an HDR histogram (1 us .. 1 h, 3 significant
-    digits) when the hdrhistogram package imports, else exact numpy percentiles."""
-
-    LOW_US, HIGH_US, DIGITS = 1, 3_600_000_000, 3
-
-    def __init__(self, use_hdr: Optional[bool] = None) -> None:
-        self._h = None
-        if use_hdr is not False:
-            try:
-                from hdrh.histogram import HdrHistogram
-                self._h = HdrHistogram(self.LOW_US, self.HIGH_US, self.DIGITS)
-            except Exception:
-                if use_hdr:
-                    raise
-        self._values: list[float] = []
-
-    @property
-    def kind(self) -> str:
-        return "hdr" if self._h is not None else "numpy"
-
-    def record(self, seconds: float) -> None:
-        self._values.append(seconds)
-        if self._h is not None:
-            us = int(round(seconds * 1e6))
-            self._h.record_value(min(max(us, self.LOW_US), self.HIGH_US))
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def percentile_ms(self, p: float) -> float:
-        if not self._values:
-            return float("nan")
-        if self._h is not None:
-            return self._h.get_value_at_percentile(p) / 1e3
-        return float(np.percentile(np.asarray(self._values) * 1e3, p))
-
-    def summary(self) -> dict:
-        """Percentiles, mean, std and max in ms; ``n``/``samples`` the sample count and
-        ``reliable`` which percentiles it supports (p99 needs 100 samples, p99.9 1000)."""
-        d: dict[str, Any] = {k: self.percentile_ms(p) for k, p in PCTS}
-        n = len(self._values)
-        if n:
-            a = np.asarray(self._values) * 1e3
-            d.update(mean=float(a.mean()), std=float(a.std()), max=float(a.max()))
-        else:
-            d.update(mean=float("nan"), std=float("nan"), max=float("nan"))
-        d.update(n=n, samples=n, reliable={k: reliable(p, n) for k, p in PCTS})
-        return d
+from bench import load_cli  # noqa: E402
+add_arguments, validate = load_cli.add_arguments, load_cli.validate  # the subcommand's interface
 
 
 # -- one request -----------------------------------------------------------------------
@@ -410,7 +357,7 @@ def _resolve(args) -> None:
     if getattr(args, "resolved", False):  # bench.cli validated these flags already
         return
     from bench.load_cli import seconds_to_ms
-    from bench import elastic, placement_bench
+    from bench import placement_bench
     placement_bench.apply_preset(args)
     seconds_to_ms(args)
     base = FULL if args.full else DEMO
@@ -476,8 +423,7 @@ def _resolve(args) -> None:
         backends = [scheme]
     args.plan = sorted([("moe-transport", b) for b in backends if "moe-transport" in names]
                        + [(n, None) for n in names if n != "moe-transport"], key=lambda nb: ORDER[nb[0]])
-    placement_bench.resolve(args)
-    elastic.resolve(args)
+    placement_bench.resolve(args)  # and bench.elastic's flags
     args.resolved = True
 
 
@@ -753,7 +699,6 @@ def run_system(name: str, backend: Optional[str], args, router, bank, scenario) 
             steps = [S.RampStep(args.rate, args.duration)]
         out["planned_rates"] = [st.rate for st in steps]
         t_run = clock.now()
-        from bench import load_hooks
         hooks = load_hooks.start(args, name, system, pool, clock, t_run, bank, router)
         verdicts: list = []
         try:
@@ -813,9 +758,7 @@ def run_system(name: str, backend: Optional[str], args, router, bank, scenario) 
     finally:
         if pool is not None:
             pool.close()
-        if hooks:
-            from bench import load_hooks
-            load_hooks.finish(hooks, out)
+        load_hooks.finish(hooks, out)
         if name == "moe-transport":
             out["placement"] = system.placement
         system.close()
@@ -927,11 +870,9 @@ def _run(args: argparse.Namespace) -> int:
         from bench.experiments import run_points
         return run_points(args, prov)
     res = measure(args)
-    from bench.load_hooks import rc as hook_rc
     runs, measured, models, meta = res["runs"], res["measured"], res["models"], res["meta"]
     md = R.markdown(runs, res["ratios"], res["targets"], models, res["scenario"], args, prov, meta)
-    from bench.load_hooks import report as hook_report
-    md += hook_report(runs)
+    md += load_hooks.report(runs)
     emit_report(md, args.markdown)
     if args.json:
         moe = [r for r in measured if r["system"] == "moe-transport"]
@@ -948,9 +889,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot(lambda: R.plot(measured, models, args.plot, args.mode, args.slo_tpot_ms), args.plot,
                    bool(measured))
-        from bench.load_hooks import plots as hook_plots
-        hook_plots(runs, args.plot)
-    return max(res["rc"], hook_rc(runs))
+        load_hooks.plots(runs, args.plot)
+    return max(res["rc"], load_hooks.rc(runs))
 
 
 def measure(args: argparse.Namespace) -> dict:

@@ -95,7 +95,8 @@ def _free_slots(n_experts: int, workers: int) -> int:
 
 
 def resolve(args: argparse.Namespace) -> None:
-    """The placement flags checked and filled in (bench.load's ConfigError on a contradiction)."""
+    """The placement and --scale-at flags checked and filled in (bench.load's ConfigError on a
+    contradiction)."""
     from bench.answer_check import why_unchecked
     from bench.load import ConfigError
     from bench.scenarios import SCENARIOS
@@ -140,6 +141,9 @@ def resolve(args: argparse.Namespace) -> None:
         why = why_unchecked(args)
         if why:
             raise ConfigError(f"--check-answers: {why}")
+    from bench.elastic import resolve as elastic_resolve
+
+    elastic_resolve(args)
 
 
 def gateway_flags(args: argparse.Namespace) -> list[str]:
