@@ -42,8 +42,8 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -279,7 +279,6 @@ class Hostile:
 
     def _open(self, kind: str):
         import transport
-        from workers import protocol as P
 
         if kind == "idle":
             return transport.connect(self.url, slot_size=4096, nslots=2, timeout=5, secret=self.secret)
@@ -472,6 +471,8 @@ class Cluster:
                     "--max-wait-ms", "1", "--worker-timeout", str(args.worker_timeout),
                     "--max-connections", str(args.max_connections), "--idle-timeout", str(args.idle_timeout),
                     "--connect-timeout", "30"]
+        from bench.chaos_eplb import gateway_flags as eplb_flags
+        gw_flags += eplb_flags(args)
         gw_listen = "tcp://127.0.0.1:0" if backend == "tcp" else f"shm://moe-chaos-{tag}-gw"
         try:
             if kind == "external":
@@ -554,6 +555,11 @@ class Run:
         self.t0 = time.monotonic()
         self.churn_pause, self.churn_idle = threading.Event(), threading.Event()
         self.book = self.versions = self.driver = None
+        self.eplb = None
+        if getattr(args, "eplb", False):
+            from bench.chaos_eplb import ChaosEplb
+
+            self.eplb = ChaosEplb(args, layer)
         if args.updates:
             from bench.chaos_updates import VersionBook
             from bench.versioned import VersionedReference
@@ -591,7 +597,7 @@ class Run:
             try:
                 if client is None:
                     client = self.client()
-                x, y, ex = rng.choice(self.layer.pairs)
+                x, y, ex = self._pick(rng)
                 client.request(x, y, ex, "steady")
                 time.sleep(self.args.pace)
             except Exception as e:
@@ -603,6 +609,10 @@ class Run:
         if client is not None:
             client.drain_duplicates()
             client.close()
+
+    def _pick(self, rng) -> tuple:
+        """A batch and its reference: skewed and shifting under --eplb, else any."""
+        return self.eplb.pick(rng) if self.eplb is not None else rng.choice(self.layer.pairs)
 
     def _churn(self) -> None:
         rng = random.Random(5)
@@ -620,7 +630,7 @@ class Run:
                 continue
             try:
                 for _ in range(rng.randint(1, 5)):
-                    x, y, ex = rng.choice(self.layer.pairs)
+                    x, y, ex = self._pick(rng)
                     c.request(x, y, ex, "churn")
                 c.drain_duplicates()
             except Exception as e:
@@ -740,6 +750,9 @@ class Run:
             i = rng.randrange(2)
             action = "stop" if rng.random() < self.args.stop_fraction else "kill"
             down = rng.uniform(*self.args.down)
+            move = None
+            if self.eplb is not None:  # aimed at a move in progress, if one comes before the next gap
+                i, move = self.eplb.aim(i, wait=max(0.0, min(self.args.gap[1], end - time.monotonic())))
             pong = self._ping()
             pids = self.cluster.worker_pids(pong)
             pid = pids[i]
@@ -748,6 +761,9 @@ class Run:
                 continue
             ev = {"worker": i, "action": action, "pid": pid, "t_signal": time.monotonic() - self.t0,
                   "experts": self.cluster.placement[i]}
+            if self.eplb is not None:
+                ev["experts"] = self.eplb.watch.experts_on(i, time.monotonic())
+                self.eplb.note_action(ev, move)
             if action == "kill":
                 os.kill(pid, signal.SIGKILL)
                 if self.cluster.kind == "external":
@@ -772,7 +788,7 @@ class Run:
             t_return = time.monotonic()
             ev["t_return"] = t_return - self.t0
             ev["new_pid"] = new_pid
-            probe = None if self.replicas > 1 else probes[i]
+            probe = None if self.replicas > 1 or self.eplb is not None else probes[i]
             rec = self._wait_whole(i, new_pid, probe)
             ev["recovery_s"] = rec
             ev["t_whole"] = (t_return + rec - self.t0) if rec is not None else None
@@ -791,6 +807,8 @@ class Run:
                         "placement": self.cluster.placement, "duration_s": a.duration}
         hostile = []
         try:
+            if self.eplb is not None:
+                self.eplb.start(self.cluster.url, self.secret)
             report["p99"] = self.p99_phase()
             log(f"warm-up {a.warmup:.0f} s (steady clients, churn, hostile background)")
             for i in range(a.clients):
@@ -839,8 +857,12 @@ class Run:
             report["gateway_stats"] = pong and {k: pong["gateway"][k] for k in ("requests", "replies", "retried",
                                                                              "failed_requests", "errors")}
             report.update(self.summarize(n_before))
+            if self.eplb is not None:
+                report["eplb"] = self.eplb.report()
         finally:
             self.stop.set()
+            if self.eplb is not None:
+                self.eplb.close()
             for h in hostile:
                 h.close()
             self.cluster.close()
@@ -873,7 +895,8 @@ class Run:
         windows = []
         for ev in self.events:
             end = ev["t_whole"] if ev["t_whole"] is not None else float("inf")
-            only = set(ev["experts"]) - set(self.cluster.placement[1 - ev["worker"]])
+            only = (self.eplb.only(ev, self.t0) if self.eplb is not None else
+                    set(ev["experts"]) - set(self.cluster.placement[1 - ev["worker"]]))
             windows.append((ev["t_signal"] + self.t0 - 0.05, end + self.t0 + 0.5, only))
         unexpected, fail_lat = [], []
         lost = [{"t": o.t_sent - self.t0, "waited_s": o.t_done - o.t_sent, "experts": list(o.experts),
@@ -955,107 +978,14 @@ def targets(r: dict) -> list[dict]:
     ratio = r["p99"]["ratio"]
     add("good client's p99 with the hostile crowd <= 2x without", ratio is not None and ratio <= 2.0, ratio)
     add("nothing left in /dev/shm after stop", not r["dev_shm_left_after_stop"], r["dev_shm_left_after_stop"])
-    return out
-
-
-# -- report --------------------------------------------------------------------------------------
-def _ms(v: Optional[float]) -> str:
-    return "-" if v is None else f"{v * 1e3:.0f}"
-
-
-def print_report(doc: dict, out=None) -> None:
-    out = out or sys.stdout
-    p = lambda *a: print(*a, file=out)  # noqa: E731
-    p("moe-bench chaos: SIGKILL/SIGSTOP of workers, client churn, hostile background; every answer "
-      "checked against the reference")
-    s = doc["settings"]
-    p(f"  layer d_model={D_MODEL} d_ff={D_FF} experts={N_EXPERTS} top_k={TOP_K}; {s['clients']} steady clients + "
-      f"churn; deadline {s['deadline']:.0f} s; worker timeout {s['worker_timeout']:.0f} s; gateway cap "
-      f"{s['max_connections']} connections, idle timeout {s['idle_timeout']:.0f} s, handshake deadline 5 s")
-    p(f"  background during chaos: {s['bg']}; p99 crowd: {s['hostile_idle']} idle + {s['hostile_half']} half-open")
-    p("")
-    hdr = (f"{'config':<26} {'dur':>5} {'sent':>7} {'ok':>7} {'failed':>6} {'unexp':>5} {'wrong':>5} "
-           f"{'lost':>4} {'dup':>3} {'kills':>5} {'stops':>5} {'rec med':>7} {'rec max':>7} "
-           f"{'p99 ms':>7} {'+crowd':>7} {'ratio':>5}")
-    p(hdr)
-    p("-" * len(hdr))
-    for r in doc["configs"]:
-        if "error" in r:
-            p(f"{r['name']:<26} ERROR {r['error']}")
-            continue
-        q, rec, pp = r["requests"], r["recovery_s"], r["p99"]
-        name = f"{r['backend']} r{r['replicas']} {r['workers']}"
-        p(f"{name:<26} {r['chaos_s']:>5.0f} {q['sent']:>7} {q['ok']:>7} {q['failed']:>6} "
-          f"{q['unexpected_failures']:>5} {q['wrong']:>5} {q['lost']:>4} {q['duplicated']:>3} {rec['kills']:>5} "
-          f"{rec['stops']:>5} {_ms(rec['kill_median']):>7} {_ms(rec['kill_max']):>7} "
-          f"{(pp['alone_p99_ms'] or 0):>7.1f} {(pp['crowded_p99_ms'] or 0):>7.1f} {(pp['ratio'] or 0):>5.2f}")
-    p("")
-    p("  rec med/max: ms from a killed worker's return (restart printed LISTENING / respawn seen) to the service "
-      "whole again (unreplicated: a request needing only its experts answered; replicated: reported healthy)")
-    p("")
-    for r in doc["configs"]:
-        if "error" in r:
-            continue
-        name = f"{r['backend']} r{r['replicas']} {r['workers']}"
-        pp = r["p99"]
-        p(f"{name}: good client alone p50/p99 {pp['alone_p50_ms']:.1f}/{pp['alone_p99_ms']:.1f} ms, with the crowd "
-          f"{pp['crowded_p50_ms']:.1f}/{pp['crowded_p99_ms']:.1f} ms (crowd open at start {pp['crowd_open_at_start']})")
-        p(f"    failed by code {r['requests']['failed_by_code'] or '{}'}; max failure latency "
-          f"{_ms(r['failure_latency_s']['max'])} ms; stop recovery med/max {_ms(r['recovery_s']['stop_median'])}/"
-          f"{_ms(r['recovery_s']['stop_max'])} ms")
-        base, end = r["baseline"]["processes"], r["end"]["processes"]
-        p("    resources (baseline -> end): " + "; ".join(
-            f"{role} rss {base[role]['rss_kb'] and base[role]['rss_kb'] // 1024}->"
-            f"{end[role]['rss_kb'] and end[role]['rss_kb'] // 1024} MiB fds {base[role]['fds']}->{end[role]['fds']}"
-            for role in base) + f"; /dev/shm {len(r['baseline']['dev_shm'])}->{len(r['end']['dev_shm'])} entries")
-        if "updates" in r:
-            u, adm = r["updates"], r["updates"].get("admission") or {}
-            p(f"    hot updates: {u['commands']}; returning workers brought to the served weights: "
-              f"{adm.get('synced', 0)} (median {_ms(adm.get('sync_seconds_median'))} ms, max "
-              f"{_ms(adm.get('sync_seconds_max'))} ms), refused {adm.get('refused', 0)}; stale answers "
-              f"{r['requests']['stale']}, mixed {r['requests']['mixed']}")
-        for t in r["targets"]:
-            p(f"    [{'met' if t['met'] else 'MISSED' if t['met'] is False else 'n/a'}] {t['target']} ({t['value']})")
-    p("")
-
-
-def plot(doc: dict, path: str) -> Optional[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed; no plot")
-        return None
-    runs = [r for r in doc["configs"] if "timeline" in r]
-    if not runs:
-        return None
-    fig, axes = plt.subplots(len(runs), 1, figsize=(13, 2.8 * len(runs)), squeeze=False)
-    for ax, r in zip(axes[:, 0], runs):
-        ts = [b["t"] for b in r["timeline"]]
-        for key, color in (("ok", "tab:green"), ("error", "tab:orange"), ("wrong", "tab:red"), ("lost", "black")):
-            ys = [b.get(key, 0) for b in r["timeline"]]
-            if any(ys):
-                ax.plot(ts, ys, color=color, lw=0.8, label=f"{key}/s")
-        for ev in r["events"]:
-            end = ev["t_whole"] if ev["t_whole"] is not None else ev["t_return"]
-            ax.axvspan(ev["t_signal"], end, color="tab:red" if ev["action"] == "kill" else "tab:blue",
-                       alpha=0.12 if ev["worker"] == 0 else 0.22, lw=0)
-        ax.set_yscale("symlog")
-        ax.set_title(f"{r['backend']} replicas={r['replicas']} workers={r['workers']}: answers per second; "
-                     f"shaded: a worker killed (red) or stopped (blue) until whole again", fontsize=9)
-        ax.set_xlabel("seconds into the chaos")
-        ax.legend(fontsize=7, loc="lower right")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    log(f"wrote {path}")
-    return path
+    from bench.chaos_eplb import targets as eplb_targets
+    return out + eplb_targets(r)
 
 
 # -- command line --------------------------------------------------------------------------------
-from bench.chaos_cli import add_arguments, configurations, plan, validate  # noqa: E402,F401 (the interface)
+from bench import chaos_cli  # noqa: E402  (the subcommand's interface: add_arguments, validate)
+add_arguments, configurations, plan, validate = (chaos_cli.add_arguments, chaos_cli.configurations, chaos_cli.plan,
+                                                 chaos_cli.validate)
 
 
 def run(args) -> int:
@@ -1084,7 +1014,7 @@ def run(args) -> int:
         "deadline": args.deadline, "worker_timeout": args.worker_timeout, "gap": list(args.gap),
         "down": list(args.down), "stop_fraction": args.stop_fraction, "max_connections": args.max_connections,
         "idle_timeout": args.idle_timeout, "hostile_idle": args.hostile_idle, "hostile_half": args.hostile_half,
-        "p99_seconds": args.p99_seconds, "seed": args.seed, "updates": args.updates,
+        "p99_seconds": args.p99_seconds, "seed": args.seed, "updates": args.updates, "eplb": args.eplb,
         "bg": {"idle": args.bg_idle, "half_open": args.bg_half, "nonreaders": args.bg_nonreaders,
                "garbage": args.bg_garbage},
         "layer": {"d_model": D_MODEL, "d_ff": D_FF, "n_experts": N_EXPERTS, "top_k": TOP_K,
@@ -1104,6 +1034,8 @@ def run(args) -> int:
         if tmpdir:
             os.unlink(args.secret_file)
             os.rmdir(tmpdir)
+    from bench.chaos_report import plot, print_report
+
     print_report(doc)
     if args.plot:
         plot(doc, args.plot)

@@ -67,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None, metavar="DIR", help="write the services' stderr here (default: discard)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the full report as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="a timeline per configuration (PNG)")
+    from bench.chaos_eplb import add_arguments as eplb_arguments
+    eplb_arguments(p)
 
 
 def validate(args: argparse.Namespace) -> None:

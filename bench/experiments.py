@@ -105,6 +105,10 @@ def combine(pt: dict, trials: list[dict]) -> dict:
 def run_points(args, prov: dict) -> int:
     from bench.provenance import emit_report, write_json_atomic
 
+    if getattr(args, "placement_arms", None):
+        from bench import placement_bench
+        return placement_bench.run(args, prov)
+
     backend = (args.backend or ["shm"])[0]
     trials: list[list[dict]] = [[] for _ in args.points]
     rc = 0

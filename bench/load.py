@@ -54,13 +54,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
-from bench import schedule as S
+from bench import load_hooks, schedule as S
 from bench.output import nan_to_none, note, write_plot
-from bench.stats import reliable
+from bench.stats import Histogram
 from gateway.chunking import chunk_rows_flag
 
 DEMO = dict(d_model=256, d_ff=512, prefill=64, decode=8)
@@ -72,11 +72,10 @@ GATEWAY_DEFAULTS = dict(replicas=1, overflow="drop", noisy=False, noise_std=1.0,
                         balancing="load-aware", chunk_rows="auto")
 # --sweep KEY: the layer's shape; --compare KEY: a gateway policy (aliases -> the flag's dest)
 SWEEP_KEYS = {"n_experts": int, "top_k": int, "d_model": int}
-COMPARE_KEYS = {"batching": str, "balancing": str, "max_inflight_rounds": int, "chunk_rows": str}
+COMPARE_KEYS = {"batching": str, "balancing": str, "max_inflight_rounds": int, "chunk_rows": str, "placement": str}
 KEY_ALIASES = {"experts": "n_experts", "k": "top_k", "inflight": "max_inflight_rounds",
                "pipelining": "max_inflight_rounds", "rounds_in_flight": "max_inflight_rounds",
                "chunks": "chunk_rows"}
-PCTS = (("p50", 50.0), ("p95", 95.0), ("p99", 99.0), ("p999", 99.9))
 MIXED_BURSTINESS = 0.25  # mixed mode's default gamma shape: gaps with a CV of 2
 # peers go after ours, the reference last: its two BLAS threads spin after their work
 ORDER = {"moe-transport": 0, "multiprocessing": 1, "ray": 2, "reference": 3}
@@ -86,59 +85,8 @@ class ConfigError(Exception):
     """The flags contradict each other or the running gateway: refused before any load."""
 
 
-from bench.load_cli import add_arguments, validate  # noqa: E402,F401  (the subcommand's interface)
-
-
-# -- percentiles -----------------------------------------------------------------------
-class Histogram:
-    """Latencies in seconds, percentiles in ms: an HDR histogram (1 us .. 1 h, 3 significant
-    digits) when the hdrhistogram package imports, else exact numpy percentiles."""
-
-    LOW_US, HIGH_US, DIGITS = 1, 3_600_000_000, 3
-
-    def __init__(self, use_hdr: Optional[bool] = None) -> None:
-        self._h = None
-        if use_hdr is not False:
-            try:
-                from hdrh.histogram import HdrHistogram
-                self._h = HdrHistogram(self.LOW_US, self.HIGH_US, self.DIGITS)
-            except Exception:
-                if use_hdr:
-                    raise
-        self._values: list[float] = []
-
-    @property
-    def kind(self) -> str:
-        return "hdr" if self._h is not None else "numpy"
-
-    def record(self, seconds: float) -> None:
-        self._values.append(seconds)
-        if self._h is not None:
-            us = int(round(seconds * 1e6))
-            self._h.record_value(min(max(us, self.LOW_US), self.HIGH_US))
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def percentile_ms(self, p: float) -> float:
-        if not self._values:
-            return float("nan")
-        if self._h is not None:
-            return self._h.get_value_at_percentile(p) / 1e3
-        return float(np.percentile(np.asarray(self._values) * 1e3, p))
-
-    def summary(self) -> dict:
-        """Percentiles, mean, std and max in ms; ``n``/``samples`` the sample count and
-        ``reliable`` which percentiles it supports (p99 needs 100 samples, p99.9 1000)."""
-        d: dict[str, Any] = {k: self.percentile_ms(p) for k, p in PCTS}
-        n = len(self._values)
-        if n:
-            a = np.asarray(self._values) * 1e3
-            d.update(mean=float(a.mean()), std=float(a.std()), max=float(a.max()))
-        else:
-            d.update(mean=float("nan"), std=float("nan"), max=float("nan"))
-        d.update(n=n, samples=n, reliable={k: reliable(p, n) for k, p in PCTS})
-        return d
+from bench import load_cli  # noqa: E402
+add_arguments, validate = load_cli.add_arguments, load_cli.validate  # the subcommand's interface
 
 
 # -- one request -----------------------------------------------------------------------
@@ -182,6 +130,7 @@ class ClientPool:
         self._closing = False
         self.done: list[Done] = []
         self.busy = 0
+        self.on_answer = None  # (bank rows, output, client): bench/load_hooks.py's answer check
         self._clients = [system.client() for _ in range(n)]
         self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True, name=f"load-client-{i}")
                          for i in range(n)]
@@ -241,14 +190,20 @@ class ClientPool:
         now = self.clock.now
         d.start = now()
         d.passes.append((d.start, idx[:P]))
-        c.forward(bank.rows(idx[:P]))
+        y = c.forward(bank.rows(idx[:P]))
         d.first = t = now()
+        if self.on_answer is not None:  # kept for checking; its own time is no decode step's
+            self.on_answer(idx[:P], y, c)
+            t = now()
         for j in range(P, P + D):
             d.passes.append((t, idx[j:j + 1]))
-            c.forward(bank.rows(idx[j:j + 1]))
+            y = c.forward(bank.rows(idx[j:j + 1]))
             t2 = now()
             d.steps.append(t2 - t)
             t = t2
+            if self.on_answer is not None:
+                self.on_answer(idx[j:j + 1], y, c)
+                t = now()
         d.end = t
 
     def close(self) -> None:
@@ -398,6 +353,8 @@ def _resolve(args) -> None:
     if getattr(args, "resolved", False):  # bench.cli validated these flags already
         return
     from bench.load_cli import seconds_to_ms
+    from bench import placement_bench
+    placement_bench.apply_preset(args)
     seconds_to_ms(args)
     base = FULL if args.full else DEMO
     args.explicit = {k for k in ("d_model", "d_ff", "n_experts", "top_k", "dtype", "capacity_factor",
@@ -462,6 +419,7 @@ def _resolve(args) -> None:
         backends = [scheme]
     args.plan = sorted([("moe-transport", b) for b in backends if "moe-transport" in names]
                        + [(n, None) for n in names if n != "moe-transport"], key=lambda nb: ORDER[nb[0]])
+    placement_bench.resolve(args)  # and bench.elastic's flags
     args.resolved = True
 
 
@@ -486,8 +444,9 @@ def _points(args) -> list[dict]:
             raise ConfigError(f"--{kind} {spec!r}: {key} takes {table[key].__name__} values") from None
         if len(vals) < 2 or len(set(vals)) != len(vals):
             raise ConfigError(f"--{kind} {spec!r}: give two or more different values")
-        if key in ("batching", "balancing"):
-            allowed = {"batching": ("fifo", "expert-aware"), "balancing": ("load-aware", "least-loaded")}[key]
+        if key in ("batching", "balancing", "placement"):
+            allowed = {"batching": ("fifo", "expert-aware"), "balancing": ("load-aware", "least-loaded"),
+                       "placement": ("static", "replicas", "eplb")}[key]
             bad = [v for v in vals if v not in allowed]
             if bad:
                 raise ConfigError(f"--compare {key}: unknown {bad}; choose from {', '.join(allowed)}")
@@ -602,7 +561,8 @@ def gateway_flags(args) -> list[str]:
         out += ["--noisy", "--noise-std", repr(float(args.noise_std))]
     if args.gate_bias:
         out.append(f"--gate-bias={args.gate_bias}")  # "=": values may start with "-"
-    return out
+    from bench.placement_bench import gateway_flags as placement_flags
+    return out + placement_flags(args)
 
 
 def make_system(name: str, backend: Optional[str], args, router):
@@ -723,6 +683,7 @@ def run_system(name: str, backend: Optional[str], args, router, bank, scenario) 
         out["gateway_started"] = system.proc is not None
     stop = threading.Event()
     pool = None
+    hooks: list = []
     try:
         pool = ClientPool(system, args.concurrency, bank, clock, args.timeout)
         max_n = args.max_requests or None
@@ -734,6 +695,7 @@ def run_system(name: str, backend: Optional[str], args, router, bank, scenario) 
             steps = [S.RampStep(args.rate, args.duration)]
         out["planned_rates"] = [st.rate for st in steps]
         t_run = clock.now()
+        hooks = load_hooks.start(args, name, system, pool, clock, t_run, bank, router)
         verdicts: list = []
         try:
             if args.warmup > 0:
@@ -792,6 +754,7 @@ def run_system(name: str, backend: Optional[str], args, router, bank, scenario) 
     finally:
         if pool is not None:
             pool.close()
+        load_hooks.finish(hooks, out)
         if name == "moe-transport":
             out["placement"] = system.placement
         system.close()
@@ -905,6 +868,7 @@ def _run(args: argparse.Namespace) -> int:
     res = measure(args)
     runs, measured, models, meta = res["runs"], res["measured"], res["models"], res["meta"]
     md = R.markdown(runs, res["ratios"], res["targets"], models, res["scenario"], args, prov, meta)
+    md += load_hooks.report(runs)
     emit_report(md, args.markdown)
     if args.json:
         moe = [r for r in measured if r["system"] == "moe-transport"]
@@ -921,7 +885,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot(lambda: R.plot(measured, models, args.plot, args.mode, args.slo_tpot_ms), args.plot,
                    bool(measured))
-    return res["rc"]
+        load_hooks.plots(runs, args.plot)
+    return max(res["rc"], load_hooks.rc(runs))
 
 
 def measure(args: argparse.Namespace) -> dict:

@@ -126,6 +126,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                      "over time, LRU cache hit rate")
     out.add_argument("--progress", default="auto", choices=["auto", "rich", "plain", "none"],
                      help="progress on stderr (default auto: rich on a terminal, else plain lines)")
+    from bench.placement_bench import add_arguments as placement_arguments
+    placement_arguments(p)
 
 
 def seconds_to_ms(args: argparse.Namespace) -> None:
@@ -163,8 +165,11 @@ def plan(args: argparse.Namespace) -> str:
         what = f"{args.duration:g} s of {args.mode} load at {args.rate:g} req/s"
     each = args.warmup + load_s + START_S
     if args.points:
-        n = len(args.points) * max(1, args.repeat)
-        runs = (f"{len(args.points)} started gateway(s) ({', '.join(p['label'] for p in args.points)})"
+        scen = getattr(args, "scenario_list", None) if getattr(args, "placement_arms", None) else None
+        labels = [f"{p['label']} / {sc}" for sc in scen for p in args.points] if scen else \
+            [p["label"] for p in args.points]
+        n = len(labels) * max(1, args.repeat)
+        runs = (f"{len(labels)} started gateway(s) ({', '.join(labels)})"
                 f"{f' x {args.repeat} repeats, interleaved' if args.repeat > 1 else ''}")
     else:
         n = len(args.plan)

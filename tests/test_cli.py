@@ -96,8 +96,11 @@ def test_one_meaning_per_flag_name():
         {c: type(a).__name__ for c, a in uses["--version"].items()}
     assert all(a.type is opts.seconds for a in uses["--warmup"].values())  # seconds; a count is --warmup-iters
     assert "--clients" not in uses  # the demo's concurrency is --concurrency, as the load tool's
-    # CPU pinning is --cpus (a gateway's local workers': --worker-cpus), BLAS threads --blas-threads
-    assert set(uses["--cpus"]) == {"moe-worker", "moe-bench transport"} and set(uses["--worker-cpus"]) == {"moe-gateway"}
+    # CPU pinning is --cpus (a gateway's local workers': --worker-cpus, also the load tool's for the
+    # gateway it starts), BLAS threads --blas-threads
+    assert set(uses["--cpus"]) == {"moe-worker", "moe-bench transport"}
+    assert set(uses["--worker-cpus"]) == {"moe-gateway", "moe-bench load"}
+    assert all(a.type is opts.cpu_list for a in uses["--worker-cpus"].values())
     assert set(uses["--blas-threads"]) == {"moe-worker", "moe-gateway"}
     assert {"--threads", "--cpu", "--pin", "--max-wait-ms", "--worker-threads"}.isdisjoint(uses)  # hidden now
     # every time is in seconds (SECONDS in the help); the old milliseconds flag stays, hidden

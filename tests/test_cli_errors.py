@@ -131,6 +131,7 @@ def strategy(a: argparse.Action):
         "_sizes": st.one_of(words, st.sampled_from(["-1", "1Q", "4KK", ""])), "parse_size": words,
         "_figures": st.one_of(words, st.just("descriptor,what")),
         "seconds_pair": st.one_of(words, st.sampled_from(["2,1", "a,b", "-1,2", "1,nan"])),
+        "scale_event": st.one_of(words, st.sampled_from(["10", "10:", ":2", "-1:2", "1:0", "a:b", "1:2.5"])),
     }.get(name)
 
 
@@ -139,6 +140,7 @@ CHECKED_LATER = {
     "--systems": st.one_of(words, st.just("moe-transport,nope")),
     "--sweep": st.sampled_from(["nokey=1,2", "n_experts", "n_experts=", "d_model=a,b", "=1"]),
     "--compare": st.sampled_from(["nokey=1,2", "batching=", "batching=fifo,nonsense", "max_inflight_rounds=x"]),
+    "--scenarios": st.sampled_from(["nope", "zipf,nope", "zipf,zipf", ",", "uniform,zipf"]),  # (and no --compare)
 }
 # free text by nature: a file this command writes, an address handed to Ray, a directory made
 FREE_TEXT = {"--json", "--plot", "--markdown", "--log-dir", "--ray-address", "--weights", "--checkpoint",
