@@ -30,422 +30,27 @@ Progress goes to stderr, the report to stdout, ``--json`` holds everything with 
 from __future__ import annotations
 
 import collections
-import itertools
 import os
 import random
-import resource
-import select
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
-D_MODEL, D_FF, N_EXPERTS, TOP_K = 64, 128, 8, 2
-MAX_BATCH = 256
-CONFIG_KEYS = ("backend", "replicas", "workers")
 
-
-def log(msg: str) -> None:
-    print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# -- process probes (psutil: None for a process that is gone) -----------------------------------
-def _proc(pid: int, what):
-    import psutil
-
-    try:
-        return what(psutil.Process(pid))
-    except psutil.Error:
-        return None
-
-
-def _rss_kb(pid: int) -> Optional[int]:
-    return _proc(pid, lambda p: p.memory_info().rss // 1024)
-
-
-def _fds(pid: int) -> Optional[int]:
-    return _proc(pid, lambda p: p.num_fds())
-
-
-def _dev_shm() -> list:
-    try:
-        return sorted(os.listdir("/dev/shm"))
-    except OSError:
-        return []
-
-
-def _children(pid: int) -> list[int]:
-    return _proc(pid, lambda p: [c.pid for c in p.children()]) or []
-
-
-# -- outcomes -----------------------------------------------------------------------------------
-@dataclass
-class Outcome:
-    t_sent: float
-    t_done: float
-    result: str  # ok, wrong, lost, error:<code>
-    experts: tuple
-    source: str  # steady, churn, probe
-
-
-class Tally:
-    """Every request's outcome, thread-safe."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.outcomes: list[Outcome] = []
-        self.duplicated = 0
-        self.late = 0  # replies that came after their request was counted lost
-        self.send_failed = 0  # requests that could not even be sent (connection gone)
-        self.latencies: list[float] = []  # ok steady requests, seconds
-
-    def add(self, o: Outcome) -> None:
-        with self.lock:
-            self.outcomes.append(o)
-            if o.result == "ok" and o.source == "steady":
-                self.latencies.append(o.t_done - o.t_sent)
-
-    def note(self, what: str) -> None:
-        with self.lock:
-            setattr(self, what, getattr(self, what) + 1)
-
-
-class Layer:
-    """Token batches and their reference outputs, computed once (the checks stay cheap)."""
-
-    def __init__(self, seed: int, n: int = 96) -> None:
-        from gateway.reference import ReferenceMoE
-
-        self.ref = ReferenceMoE.from_seed(D_MODEL, D_FF, N_EXPERTS, TOP_K, seed=seed)
-        rng = np.random.default_rng(seed + 1)
-        self.pairs = []
-        for i in range(n):
-            x = rng.standard_normal((int(rng.integers(1, 33)), D_MODEL)).astype(np.float32)
-            y = self.ref.forward(x)[0]
-            experts = tuple(sorted({int(e) for e in self.ref.router.route(x).topk_idx.ravel() if e >= 0}))
-            self.pairs.append((x, y, experts))
-
-    def steered(self, experts: set, n: int = 4, seed: int = 0):
-        """Tokens routed only to ``experts`` and their reference output (recovery probes)."""
-        rng = np.random.default_rng(seed)
-        rows: list = []
-        while len(rows) < n:
-            x = rng.standard_normal((256, D_MODEL)).astype(np.float32)
-            for row, idx in zip(x, self.ref.router.route(x).topk_idx):
-                if set(int(e) for e in idx) <= experts:
-                    rows.append(row)
-        x = np.stack(rows[:n])
-        return x, self.ref.forward(x)[0], tuple(sorted(experts))
-
-
-class Client:
-    """A well-behaved client on a raw transport connection: each request gets a fresh id and
-    its reply is matched by id, so duplicates and losses are seen (GatewayClient hides them)."""
-
-    def __init__(self, url: str, secret: Optional[bytes], tally: Tally, deadline: float,
-                 checker: Optional[Callable] = None) -> None:
-        import transport
-
-        self.conn = transport.connect(url, slot_size=1 << 16, nslots=4, timeout=10.0, secret=secret)
-        self.tally, self.deadline = tally, deadline
-        # checker(x, y, {expert: version}, t_sent, t_done) -> ok/wrong/stale/mixed: with hot updates
-        # the right answer is the layer at the versions the answer names (bench/chaos_updates.py)
-        self.checker = checker
-        self.ids = itertools.count(1)
-        self.done: set = set()
-        self.abandoned: set = set()
-
-    def request(self, x: np.ndarray, y_ref: np.ndarray, experts: tuple, source: str) -> str:
-        import transport
-        from workers import protocol as P
-
-        rid = next(self.ids)
-        t0 = time.monotonic()
-        try:
-            slot = self.conn.alloc(x.nbytes, timeout=self.deadline)
-            np.copyto(slot.array(np.float32, x.shape), x)
-            self.conn.send(P.forward_request(rid, x.shape, np.float32), [slot], timeout=self.deadline)
-        except transport.TransportError:
-            self.tally.note("send_failed")
-            raise
-        end = t0 + self.deadline
-        while True:
-            left = end - time.monotonic()
-            if left <= 0:
-                self.abandoned.add(rid)
-                self.tally.add(Outcome(t0, time.monotonic(), "lost", experts, source))
-                return "lost"
-            try:
-                msg = self.conn.recv(timeout=min(left, 0.5))
-            except transport.Timeout:
-                continue
-            except transport.ConnectionClosed:
-                self.tally.add(Outcome(t0, time.monotonic(), "lost", experts, source))
-                log(f"{source} request {rid}: the gateway closed the connection before answering")
-                raise
-            with msg:
-                h = msg.header
-                got = P.request_id_of(h)
-                if got != rid:
-                    self.tally.note("late" if got in self.abandoned else "duplicated")
-                    continue
-                if got in self.done:
-                    self.tally.note("duplicated")
-                    continue
-                self.done.add(rid)
-                if h.get("op") == P.RESULT:
-                    y = msg.array(0, np.float32, tuple(h["shape"]))
-                    if self.checker is not None:
-                        ev = h.get("expert_versions") or []
-                        result = self.checker(x, y, {int(e): int(v) for e, v in ev}, t0, time.monotonic())
-                    else:
-                        ok = y.shape == y_ref.shape and np.allclose(y, y_ref, rtol=1e-4, atol=1e-5)
-                        result = "ok" if ok else "wrong"
-                else:
-                    result = f"error:{h.get('code')}"
-            self.tally.add(Outcome(t0, time.monotonic(), result, experts, source))
-            # duplicates of this id may still come: check the socket briefly without waiting
-            return result
-
-    def drain_duplicates(self) -> None:
-        """Read what is left (a duplicate reply would be here), briefly."""
-        import transport
-        from workers import protocol as P
-
-        try:
-            while True:
-                with self.conn.recv(timeout=0.05) as msg:
-                    self.tally.note("late" if P.request_id_of(msg.header) in self.abandoned else "duplicated")
-        except transport.TransportError:
-            pass
-
-    def close(self) -> None:
-        try:
-            self.conn.close()
-        except Exception:
-            pass
-
-
-# -- hostile background --------------------------------------------------------------------------
-def _raw(url: str) -> socket.socket:
-    scheme, _, rest = url.partition("://")
-    if scheme == "tcp":
-        host, _, port = rest.rpartition(":")
-        s = socket.create_connection((host, int(port)), timeout=5)
-    else:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(5)
-        s.connect("\0moe-transport/shm/" + rest)
-    s.setblocking(False)
-    return s
-
-
-def _closed(s: socket.socket) -> bool:
-    try:
-        return s.recv(65536) == b""
-    except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
-        return True
-
-
-class Hostile:
-    """Keeps ``counts`` hostile connections open to ``url`` (idle, half-open, non-readers,
-    garbage), opening a new one whenever the server drops one."""
-
-    KINDS = ("idle", "half", "nonreader", "garbage")
-
-    def __init__(self, url: str, backend: str, secret: Optional[bytes], counts: dict) -> None:
-        self.url, self.backend, self.secret = url, backend, secret
-        self.counts = {k: int(counts.get(k, 0)) for k in self.KINDS}
-        self.conns: dict = {k: [] for k in self.KINDS}
-        self.reconnects = collections.Counter()
-        self.failures = collections.Counter()
-        self.stop = threading.Event()
-        self.thread: Optional[threading.Thread] = None
-        from transport import framing
-
-        self._hello = b"".join(framing.encode_hello({
-            "transport": "moe-transport", "version": framing.VERSION, "backend": backend, "role": "client",
-            "nonce": os.urandom(32), "auth": None, "slot_size": 4096, "nslots": 2}))
-        self._rng = random.Random(7)
-
-    def _open(self, kind: str):
-        import transport
-
-        if kind == "idle":
-            return transport.connect(self.url, slot_size=4096, nslots=2, timeout=5, secret=self.secret)
-        if kind == "nonreader":
-            c = transport.connect(self.url, slot_size=4096, nslots=2, timeout=5, secret=self.secret)
-            c._chaos_ids = itertools.count(1)
-            return c
-        s = _raw(self.url)
-        if kind == "half":
-            s.send(self._hello[: self._rng.randrange(1, len(self._hello) - 1)])
-        else:
-            s.send(self._rng.randbytes(self._rng.randrange(16, 2048)))
-        return s
-
-    def _gone(self, kind: str, c) -> bool:
-        import transport
-        from workers import protocol as P
-
-        if kind in ("half", "garbage"):
-            return _closed(c)
-        if kind == "idle":  # called when its fd polled readable
-            try:
-                c.recv(timeout=0).release()
-                return False
-            except transport.Timeout:
-                return False
-            except transport.TransportError:
-                return True
-        # non-reader: one more request each pass, never a read; dropped = its socket says
-        # so (peeked, nothing consumed), since a dropped connection is simply never send_ready
-        sock = getattr(c, "sock", None) or getattr(c, "_sock", None)
-        if sock is not None:
-            try:
-                if sock.family != socket.AF_UNIX:  # unread replies hide a reset from recv: ask TCP
-                    if sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] in (7, 8):  # CLOSE(_WAIT)
-                        return True
-                elif sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                    return True
-            except (BlockingIOError, InterruptedError):
-                pass
-            except OSError:
-                return True
-        try:
-            if c.send_ready():
-                slot = c.alloc(8 * D_MODEL * 4, timeout=0)
-                slot.array(np.float32, (8, D_MODEL))[:] = 1.0
-                c.send(P.forward_request(next(c._chaos_ids), (8, D_MODEL), np.float32), [slot], timeout=0.1)
-            return False
-        except transport.Timeout:
-            return False
-        except transport.TransportError:
-            return True
-
-    @staticmethod
-    def _close(c) -> None:
-        try:
-            if hasattr(c, "abort"):
-                c.abort()
-            else:
-                c.close()
-        except Exception:
-            pass
-
-    def fill(self) -> None:
-        """One pass: replace the dropped (one poll over every connection, so a thousand idle
-        ones cost one system call), open the missing."""
-        p = select.poll()
-        for kind in ("idle", "half", "garbage"):
-            for c in self.conns[kind]:
-                p.register(c.fileno(), select.POLLIN)
-        ready = {fd for fd, _ in p.poll(0)}
-        for kind in self.KINDS:
-            keep = []
-            for c in self.conns[kind]:
-                if (kind == "nonreader" or c.fileno() in ready) and self._gone(kind, c):
-                    self._close(c)
-                    self.reconnects[kind] += 1
-                else:
-                    keep.append(c)
-            self.conns[kind] = keep
-            while len(self.conns[kind]) < self.counts[kind] and not self.stop.is_set():
-                try:
-                    self.conns[kind].append(self._open(kind))
-                except Exception as e:  # refused at the cap, or the server busy: try later
-                    self.failures[f"{kind}: {type(e).__name__}"] += 1
-                    break
-
-    def start(self) -> "Hostile":
-        def run():
-            while not self.stop.is_set():
-                self.fill()
-                self.stop.wait(0.5)
-        self.stop.clear()
-        self.thread = threading.Thread(target=run, daemon=True, name="hostile")
-        self.thread.start()
-        return self
-
-    def close(self) -> None:
-        self.stop.set()
-        if self.thread is not None:
-            self.thread.join(30)
-        for kind in self.KINDS:
-            for c in self.conns[kind]:
-                self._close(c)
-            self.conns[kind] = []
-
-    def open_count(self) -> dict:
-        return {k: len(v) for k, v in self.conns.items()}
-
-
-class Crowd:
-    """A :class:`Hostile` in its own process (``python -m bench.chaos --crowd``), so its
-    Python work never competes with the measuring client for this process's GIL."""
-
-    def __init__(self, url: str, backend: str, secret_file: str, counts: dict, ready_timeout: float = 180.0) -> None:
-        import json
-
-        self.counts = counts
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.chaos", "--crowd", url, backend, json.dumps(counts)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "MOE_SECRET_FILE": secret_file})
-        r, _, _ = select.select([self.proc.stdout], [], [], ready_timeout)
-        line = self.proc.stdout.readline() if r else ""
-        if not line.startswith("READY "):
-            self.proc.kill()
-            self.proc.wait()
-            raise RuntimeError(f"hostile crowd did not open: {line!r}")
-        self.ready = json.loads(line[6:])
-        self.result: dict = {}
-
-    def close(self) -> dict:
-        import json
-
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()
-                line = self.proc.stdout.readline()
-                self.result = json.loads(line[5:]) if line.startswith("DONE ") else {}
-                self.proc.wait(timeout=60)
-            except Exception:
-                self.proc.kill()
-                self.proc.wait()
-        return self.result
-
-
-def crowd_main(url: str, backend: str, counts_json: str) -> int:
-    """The crowd process: open the connections, say READY, keep them until stdin closes."""
-    import json
-
-    from transport.service.secrets import resolve
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    secret = resolve(None, use_default=False)[0]
-    h = Hostile(url, backend, secret, json.loads(counts_json))
-    t = time.monotonic()
-    want = sum(h.counts.values())
-    while sum(h.open_count().values()) < want and time.monotonic() - t < 120:
-        h.fill()
-    print("READY " + json.dumps({"open": h.open_count(), "seconds": time.monotonic() - t}), flush=True)
-    h.start()
-    sys.stdin.read()  # until the parent closes it
-    held = h.open_count()
-    h.close()
-    print("DONE " + json.dumps({"held": held, "reconnects": dict(h.reconnects), "failures": dict(h.failures)}),
-          flush=True)
-    return 0
+from bench import chaos_eplb
+from bench.chaos_clients import Client, Layer, Tally
+from bench.chaos_eplb import ChaosEplb
+from bench.chaos_hostile import Crowd
+from bench.chaos_settings import (D_FF, D_MODEL, MAX_BATCH, N_EXPERTS, TOP_K, children, dev_shm, fds, log,
+                                  rss_kb)
+from bench.chaos_updates import UpdateDriver, VersionBook
+from bench.versioned import VersionedReference
 
 
 # -- the cluster ---------------------------------------------------------------------------------
@@ -468,11 +73,10 @@ class Cluster:
         tag = f"{os.getpid()}-{backend}-{replicas}-{kind}"
         gw_flags = ["--d-model", str(D_MODEL), "--d-ff", str(D_FF), "--n-experts", str(N_EXPERTS),
                     "--top-k", str(TOP_K), "--seed", str(args.seed), "--max-batch-tokens", str(MAX_BATCH),
-                    "--max-wait-ms", "1", "--worker-timeout", str(args.worker_timeout),
+                    "--max-wait", "0.001", "--worker-timeout", str(args.worker_timeout),
                     "--max-connections", str(args.max_connections), "--idle-timeout", str(args.idle_timeout),
                     "--connect-timeout", "30"]
-        from bench.chaos_eplb import gateway_flags as eplb_flags
-        gw_flags += eplb_flags(args)
+        gw_flags += chaos_eplb.gateway_flags(args)
         gw_listen = "tcp://127.0.0.1:0" if backend == "tcp" else f"shm://moe-chaos-{tag}-gw"
         try:
             if kind == "external":
@@ -557,12 +161,9 @@ class Run:
         self.book = self.versions = self.driver = None
         self.eplb = None
         if getattr(args, "eplb", False):
-            from bench.chaos_eplb import ChaosEplb
 
             self.eplb = ChaosEplb(args, layer)
         if args.updates:
-            from bench.chaos_updates import VersionBook
-            from bench.versioned import VersionedReference
 
             self.book = VersionBook(N_EXPERTS)
             self.versions = VersionedReference(D_MODEL, D_FF, N_EXPERTS, TOP_K, seed=args.seed)
@@ -703,9 +304,9 @@ class Run:
         roles = {"gateway": self.cluster.gateway.pid}
         for i, pid in enumerate(self.cluster.worker_pids(pong)):
             roles[f"worker{i}"] = pid
-        return {"processes": {r: {"pid": p, "rss_kb": p and _rss_kb(p), "fds": p and _fds(p)}
+        return {"processes": {r: {"pid": p, "rss_kb": p and rss_kb(p), "fds": p and fds(p)}
                               for r, p in roles.items()},
-                "dev_shm": _dev_shm()}
+                "dev_shm": dev_shm()}
 
     # -- chaos -----------------------------------------------------------------------------------
     def _healthy(self, i: int, pid: Optional[int]) -> bool:
@@ -775,7 +376,7 @@ class Run:
                     new_pid = None
                     t = time.monotonic()
                     while time.monotonic() - t < 60:
-                        kids = [k for k in _children(self.cluster.gateway.pid) if k not in pids]
+                        kids = [k for k in children(self.cluster.gateway.pid) if k not in pids]
                         if kids:
                             new_pid = kids[0]
                             break
@@ -801,7 +402,7 @@ class Run:
         a = self.args
         name = f"{self.backend} replicas={self.replicas} workers={self.kind}"
         log(f"== {name}: starting")
-        shm_before = _dev_shm()
+        shm_before = dev_shm()
         self.cluster = Cluster(a, self.backend, self.replicas, self.kind, self.secret_file)
         report: dict = {"backend": self.backend, "replicas": self.replicas, "workers": self.kind,
                         "placement": self.cluster.placement, "duration_s": a.duration}
@@ -831,7 +432,6 @@ class Run:
             self.t0 = time.monotonic()
             log(f"chaos for {a.duration:.0f} s" + (" with hot updates" if self.book is not None else ""))
             if self.book is not None:
-                from bench.chaos_updates import UpdateDriver
 
                 self.driver = UpdateDriver(self.cluster.url, self.secret, self.book, self.versions,
                                            gap=a.update_gap, seed=a.seed + self.replicas, log=log).start()
@@ -866,7 +466,7 @@ class Run:
             for h in hostile:
                 h.close()
             self.cluster.close()
-        report["dev_shm_left_after_stop"] = sorted(set(_dev_shm()) - set(shm_before))
+        report["dev_shm_left_after_stop"] = sorted(set(dev_shm()) - set(shm_before))
         report["targets"] = targets(report)
         log(f"== {name}: done")
         return report
@@ -978,72 +578,4 @@ def targets(r: dict) -> list[dict]:
     ratio = r["p99"]["ratio"]
     add("good client's p99 with the hostile crowd <= 2x without", ratio is not None and ratio <= 2.0, ratio)
     add("nothing left in /dev/shm after stop", not r["dev_shm_left_after_stop"], r["dev_shm_left_after_stop"])
-    from bench.chaos_eplb import targets as eplb_targets
-    return out + eplb_targets(r)
-
-
-# -- command line --------------------------------------------------------------------------------
-from bench import chaos_cli  # noqa: E402  (the subcommand's interface: add_arguments, validate)
-add_arguments, configurations, plan, validate = (chaos_cli.add_arguments, chaos_cli.configurations, chaos_cli.plan,
-                                                 chaos_cli.validate)
-
-
-def run(args) -> int:
-    import tempfile
-
-    from bench.provenance import provenance, write_json_atomic
-
-    log(plan(args))
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the crowd holds ~1100 connections
-    if args.log_dir:
-        os.makedirs(args.log_dir, exist_ok=True)
-    tmpdir = None
-    if args.secret_file is None:
-        tmpdir = tempfile.mkdtemp(prefix="moe-chaos-")
-        args.secret_file = os.path.join(tmpdir, "secret")
-        fd = os.open(args.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.write(fd, os.urandom(16).hex().encode() + b"\n")
-        os.close(fd)
-    from transport.service.secrets import read
-
-    secret = read(args.secret_file)
-    layer = Layer(args.seed)
-    doc: dict = {"provenance": provenance(), "settings": {
-        "duration": args.duration, "warmup": args.warmup, "clients": args.clients, "pace": args.pace,
-        "deadline": args.deadline, "worker_timeout": args.worker_timeout, "gap": list(args.gap),
-        "down": list(args.down), "stop_fraction": args.stop_fraction, "max_connections": args.max_connections,
-        "idle_timeout": args.idle_timeout, "hostile_idle": args.hostile_idle, "hostile_half": args.hostile_half,
-        "p99_seconds": args.p99_seconds, "seed": args.seed, "updates": args.updates, "eplb": args.eplb,
-        "bg": {"idle": args.bg_idle, "half_open": args.bg_half, "nonreaders": args.bg_nonreaders,
-               "garbage": args.bg_garbage},
-        "layer": {"d_model": D_MODEL, "d_ff": D_FF, "n_experts": N_EXPERTS, "top_k": TOP_K,
-                  "max_batch_tokens": MAX_BATCH}}, "configs": []}
-    try:
-        for backend, replicas, kind in configurations(args):
-            try:
-                r = Run(args, backend, replicas, kind, secret, args.secret_file, layer).execute()
-            except Exception as e:
-                log(f"{backend} r{replicas} {kind} failed: {type(e).__name__}: {e}")
-                r = {"name": f"{backend} r{replicas} {kind}", "backend": backend, "replicas": replicas,
-                     "workers": kind, "error": f"{type(e).__name__}: {e}"}
-            doc["configs"].append(r)
-            if args.json:  # after each configuration: a long run interrupted keeps what it measured
-                write_json_atomic(args.json, doc)
-    finally:
-        if tmpdir:
-            os.unlink(args.secret_file)
-            os.rmdir(tmpdir)
-    from bench.chaos_report import plot, print_report
-
-    print_report(doc)
-    if args.plot:
-        plot(doc, args.plot)
-    missed = [t for r in doc["configs"] for t in r.get("targets", []) if t["met"] is False]
-    return 1 if missed or any("error" in r for r in doc["configs"]) else 0
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--crowd":
-        sys.exit(crowd_main(*sys.argv[2:]))
-    sys.exit("usage: moe-bench chaos ... (python -m bench.chaos --crowd URL BACKEND COUNTS is internal)")
+    return out + chaos_eplb.targets(r)

@@ -1,13 +1,21 @@
-"""`moe-bench chaos`'s command line: its flags, their check, and the plan it prints first.
-
-bench.chaos re-exports :func:`add_arguments` and :func:`validate` (the subcommand's
-interface); what each flag does is bench.chaos's.
-"""
+"""`moe-bench chaos`: its flags, their check, the plan it prints first, and the run over
+every configuration (one configuration is :class:`bench.chaos.Run`, where each flag's
+meaning is)."""
 from __future__ import annotations
 
 import argparse
+import os
+import resource
+import tempfile
 
+from bench import chaos_eplb
+from bench.chaos import Run
+from bench.chaos_clients import Layer
+from bench.chaos_report import plot, print_report
+from bench.chaos_settings import D_FF, D_MODEL, MAX_BATCH, N_EXPERTS, TOP_K, log
+from bench.provenance import provenance, write_json_atomic
 from transport.service import options
+from transport.service.secrets import read
 
 SETUP_S = 15.0  # a configuration's start, settling and stop beyond its timed phases (measured: 10-20 s)
 
@@ -67,8 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None, metavar="DIR", help="write the services' stderr here (default: discard)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the full report as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="a timeline per configuration (PNG)")
-    from bench.chaos_eplb import add_arguments as eplb_arguments
-    eplb_arguments(p)
+    chaos_eplb.add_arguments(p)
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -92,3 +99,50 @@ def plan(args: argparse.Namespace) -> str:
     return (f"plan: {len(configs)} configuration(s) ({names}), each {3 * args.p99_seconds:g} s of p99 windows, "
             f"{args.warmup:g} s of warm-up and {args.duration:g} s of chaos: about {each / 60:.1f} min each, "
             f"{total / 60:.0f} min in all (fewer with --backend/--replicas/--placement, or a shorter --duration)")
+
+
+def run(args) -> int:
+    log(plan(args))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the crowd holds ~1100 connections
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
+    tmpdir = None
+    if args.secret_file is None:
+        tmpdir = tempfile.mkdtemp(prefix="moe-chaos-")
+        args.secret_file = os.path.join(tmpdir, "secret")
+        fd = os.open(args.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, os.urandom(16).hex().encode() + b"\n")
+        os.close(fd)
+    secret = read(args.secret_file)
+    layer = Layer(args.seed)
+    doc: dict = {"provenance": provenance(), "settings": {
+        "duration": args.duration, "warmup": args.warmup, "clients": args.clients, "pace": args.pace,
+        "deadline": args.deadline, "worker_timeout": args.worker_timeout, "gap": list(args.gap),
+        "down": list(args.down), "stop_fraction": args.stop_fraction, "max_connections": args.max_connections,
+        "idle_timeout": args.idle_timeout, "hostile_idle": args.hostile_idle, "hostile_half": args.hostile_half,
+        "p99_seconds": args.p99_seconds, "seed": args.seed, "updates": args.updates, "eplb": args.eplb,
+        "bg": {"idle": args.bg_idle, "half_open": args.bg_half, "nonreaders": args.bg_nonreaders,
+               "garbage": args.bg_garbage},
+        "layer": {"d_model": D_MODEL, "d_ff": D_FF, "n_experts": N_EXPERTS, "top_k": TOP_K,
+                  "max_batch_tokens": MAX_BATCH}}, "configs": []}
+    try:
+        for backend, replicas, kind in configurations(args):
+            try:
+                r = Run(args, backend, replicas, kind, secret, args.secret_file, layer).execute()
+            except Exception as e:
+                log(f"{backend} r{replicas} {kind} failed: {type(e).__name__}: {e}")
+                r = {"name": f"{backend} r{replicas} {kind}", "backend": backend, "replicas": replicas,
+                     "workers": kind, "error": f"{type(e).__name__}: {e}"}
+            doc["configs"].append(r)
+            if args.json:  # after each configuration: a long run interrupted keeps what it measured
+                write_json_atomic(args.json, doc)
+    finally:
+        if tmpdir:
+            os.unlink(args.secret_file)
+            os.rmdir(tmpdir)
+    print_report(doc)
+    if args.plot:
+        plot(doc, args.plot)
+    missed = [t for r in doc["configs"] for t in r.get("targets", []) if t["met"] is False]
+    return 1 if missed or any("error" in r for r in doc["configs"]) else 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from bench.chaos import D_FF, D_MODEL, N_EXPERTS, TOP_K, log
+from bench.chaos_settings import D_FF, D_MODEL, N_EXPERTS, TOP_K, log
 from bench.chaos_eplb import report_lines as eplb_report_lines
 
 

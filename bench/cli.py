@@ -25,7 +25,7 @@ SUBCOMMANDS = {
              ("moe-bench load --rate 5 --duration 10 --backend shm",
               "moe-bench load --mode ramp --rate 40 --ramp-steps 5 --gateway tcp://127.0.0.1:7000",
               "moe-bench load --compare batching=fifo,expert-aware --rate 40 --repeat 3 --json cmp.json")),
-    "chaos": ("bench.chaos", "workers killed and stopped under load, client churn, hostile connections; "
+    "chaos": ("bench.chaos_cli", "workers killed and stopped under load, client churn, hostile connections; "
                              "every answer checked",
               ("moe-bench chaos --backend tcp --replicas 2 --duration 60",
                "moe-bench chaos --placement local --duration 120 --json chaos.json --plot chaos.png",

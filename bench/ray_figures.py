@@ -35,7 +35,7 @@ WORKERS = 3
 def gateway_argv(arm: str, backend: str, listen: str, ray_address: str) -> list[str]:
     base = [sys.executable, "-m", "gateway.cli", "--listen", listen, "--n-experts", str(LAYER["n_experts"]),
             "--top-k", str(LAYER["top_k"]), "--d-model", str(LAYER["d_model"]), "--d-ff", str(LAYER["d_ff"]),
-            "--seed", str(LAYER["seed"]), "--max-batch-tokens", "1024", "--max-wait-ms", "1", "--worker-timeout", "5"]
+            "--seed", str(LAYER["seed"]), "--max-batch-tokens", "1024", "--max-wait", "0.001", "--worker-timeout", "5"]
     if arm == "local":
         return base + ["--local-workers", str(WORKERS), "--backend", backend]
     if backend == "shm":  # the gateway's node only: 3 workers there

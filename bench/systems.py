@@ -102,7 +102,7 @@ class MoeTransport(System):
         argv = [sys.executable, "-m", "gateway.cli", "--listen", listen, "--local-workers", str(workers),
                 "--backend", backend, "--n-experts", str(n_experts), "--top-k", str(top_k),
                 "--d-model", str(d_model), "--d-ff", str(d_ff), "--seed", str(seed),
-                "--max-batch-tokens", str(max_batch_tokens), "--max-wait-ms", str(max_wait_ms),
+                "--max-batch-tokens", str(max_batch_tokens), "--max-wait", repr(max_wait_ms / 1e3),
                 "--max-inflight-rounds", str(max_inflight_rounds), "--dtype", dtype]
         if capacity_factor:
             argv += ["--capacity-factor", str(capacity_factor)]
