@@ -21,7 +21,7 @@ SUBCOMMANDS = {
             ("moe-bench moe --quick",
              "moe-bench moe --backend shm --batch 64 --batch 256 --repeat 3 --plot chunks.png",
              "moe-bench moe --compute torch --dtype bfloat16 --quick")),
-    "load": ("bench.load", "open-loop load generator (fixed-rate, ramp, mixed) against a moe-gateway",
+    "load": ("bench.load_cli", "open-loop load generator (fixed-rate, ramp, mixed) against a moe-gateway",
              ("moe-bench load --rate 5 --duration 10 --backend shm",
               "moe-bench load --mode ramp --rate 40 --ramp-steps 5 --gateway tcp://127.0.0.1:7000",
               "moe-bench load --compare batching=fifo,expert-aware --rate 40 --repeat 3 --json cmp.json")),

@@ -25,6 +25,9 @@ from typing import Any, Optional
 
 import numpy as np
 
+from bench.load_config import ConfigError
+from transport.service import options
+
 SETTLE_S = 1.0  # seconds after a change before its throughput counts (rounds in flight, warm caches)
 POLL_S = 0.05
 CPU_EVERY_S = 0.5
@@ -44,7 +47,6 @@ def _scale_event(text: str) -> tuple[float, int]:
 
 
 def add_arguments(g) -> None:
-    from transport.service import options
 
     g.add_argument("--scale-at", action="append", default=None, metavar="SECONDS:N",
                    type=options.named_type(_scale_event, "scale_event", "SECONDS:N"),
@@ -53,7 +55,6 @@ def add_arguments(g) -> None:
 
 
 def resolve(args) -> None:
-    from bench.load import ConfigError
 
     ev = args.scale_at
     if not ev:

@@ -50,293 +50,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
-from bench import load_hooks, schedule as S
-from bench.output import nan_to_none, note, write_plot
-from bench.stats import Histogram
+from bench import load_hooks, load_report as R, models as M, placement_bench, schedule as S, systems as SY
+from bench.load_clients import ClientPool, run_segment, segment_record
+from bench.load_config import (COMPARE_KEYS, DEMO, FULL, GATEWAY_DEFAULTS, KEY_ALIASES, LAYER_DEFAULTS,
+                               MIXED_BURSTINESS, ORDER, STARTED_DEFAULTS, SWEEP_KEYS, ConfigError, seconds_to_ms)
+from bench.output import note
+from bench.scenarios import Scenario, TokenBank
+from bench.systems import SYSTEMS, proc_cpu_seconds
 from gateway.chunking import chunk_rows_flag
-
-DEMO = dict(d_model=256, d_ff=512, prefill=64, decode=8)
-FULL = dict(d_model=1024, d_ff=2048, prefill=256, decode=32)
-LAYER_DEFAULTS = dict(n_experts=8, top_k=2, dtype="float32")
-STARTED_DEFAULTS = dict(local_workers=2, max_wait_ms=1.0, max_inflight_rounds=2)
-# the started gateway's routing and policies (moe-gateway's defaults)
-GATEWAY_DEFAULTS = dict(replicas=1, overflow="drop", noisy=False, noise_std=1.0, batching="fifo",
-                        balancing="load-aware", chunk_rows="auto")
-# --sweep KEY: the layer's shape; --compare KEY: a gateway policy (aliases -> the flag's dest)
-SWEEP_KEYS = {"n_experts": int, "top_k": int, "d_model": int}
-COMPARE_KEYS = {"batching": str, "balancing": str, "max_inflight_rounds": int, "chunk_rows": str, "placement": str}
-KEY_ALIASES = {"experts": "n_experts", "k": "top_k", "inflight": "max_inflight_rounds",
-               "pipelining": "max_inflight_rounds", "rounds_in_flight": "max_inflight_rounds",
-               "chunks": "chunk_rows"}
-MIXED_BURSTINESS = 0.25  # mixed mode's default gamma shape: gaps with a CV of 2
-# peers go after ours, the reference last: its two BLAS threads spin after their work
-ORDER = {"moe-transport": 0, "multiprocessing": 1, "ray": 2, "reference": 3}
-
-
-class ConfigError(Exception):
-    """The flags contradict each other or the running gateway: refused before any load."""
-
-
-from bench import load_cli  # noqa: E402
-add_arguments, validate = load_cli.add_arguments, load_cli.validate  # the subcommand's interface
-
-
-# -- one request -----------------------------------------------------------------------
-@dataclass
-class Job:
-    arrival: S.Arrival
-    prefill: int
-    decode: int
-    record: bool = True
-    idx: Optional[np.ndarray] = None  # token-bank rows: prefill's P, then one per decode step
-
-
-@dataclass
-class Done:
-    job: Job
-    start: float = 0.0
-    first: float = 0.0     # end of the prefill pass
-    end: float = 0.0
-    steps: list = field(default_factory=list)  # decode step seconds
-    passes: list = field(default_factory=list)  # (start time, bank rows) of every forward pass
-    error: Optional[str] = None
-
-    @property
-    def sched(self) -> float:
-        return self.job.arrival.t
-
-    @property
-    def tokens(self) -> int:
-        return self.job.prefill + len(self.steps) if self.error is None else 0
-
-
-class ClientPool:
-    """C threads, one client of the system under load each, taking jobs as the dispatcher
-    releases them. A job's tokens are rows of the token bank (the routing scenario)."""
-
-    def __init__(self, system, n: int, bank, clock, timeout: float) -> None:
-        self.system, self.clock, self.timeout, self.bank = system, clock, timeout, bank
-        self._cv = threading.Condition()
-        self._jobs: list[Job] = []
-        self._pending = 0
-        self._closing = False
-        self.done: list[Done] = []
-        self.busy = 0
-        self.on_answer = None  # (bank rows, output, client): bench/load_hooks.py's answer check
-        self._clients = [system.client() for _ in range(n)]
-        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True, name=f"load-client-{i}")
-                         for i in range(n)]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, job: Job) -> None:
-        with self._cv:
-            self._jobs.append(job)
-            self._pending += 1
-            self._cv.notify()
-
-    def drain(self, timeout: float) -> bool:
-        """Wait until every submitted job has finished."""
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(min(left, 0.1))
-        return True
-
-    def _loop(self, i: int) -> None:
-        while True:
-            with self._cv:
-                while not self._jobs and not self._closing:
-                    self._cv.wait()
-                if not self._jobs:
-                    return
-                job = self._jobs.pop(0)
-                self.busy += 1
-            d = Done(job)
-            try:
-                self._run(self._clients[i], d)
-            except Exception as e:  # the request failed; a broken client is replaced
-                d.error = f"{type(e).__name__}: {e}"
-                if not _request_level(e):
-                    try:
-                        self._clients[i].close()
-                    except Exception:
-                        pass
-                    try:
-                        self._clients[i] = self.system.client()
-                    except Exception:
-                        pass
-            if not d.end:
-                d.end = self.clock.now()
-            with self._cv:
-                self.done.append(d)
-                self.busy -= 1
-                self._pending -= 1
-                self._cv.notify_all()
-
-    def _run(self, c, d: Done) -> None:
-        P, D, idx, bank = d.job.prefill, d.job.decode, d.job.idx, self.bank
-        now = self.clock.now
-        d.start = now()
-        d.passes.append((d.start, idx[:P]))
-        y = c.forward(bank.rows(idx[:P]))
-        d.first = t = now()
-        if self.on_answer is not None:  # kept for checking; its own time is no decode step's
-            self.on_answer(idx[:P], y, c)
-            t = now()
-        for j in range(P, P + D):
-            d.passes.append((t, idx[j:j + 1]))
-            y = c.forward(bank.rows(idx[j:j + 1]))
-            t2 = now()
-            d.steps.append(t2 - t)
-            t = t2
-            if self.on_answer is not None:
-                self.on_answer(idx[j:j + 1], y, c)
-                t = now()
-        d.end = t
-
-    def close(self) -> None:
-        with self._cv:
-            self._closing = True
-            self._cv.notify_all()
-        for t in self._threads:
-            t.join(timeout=self.timeout + 5)
-        for c in self._clients:
-            try:
-                c.close()
-            except Exception:
-                pass
-
-
-def _request_level(e: Exception) -> bool:
-    """An error that is the request's (a refusal, a timeout), not the client connection's."""
-    from workers.protocol import RemoteError
-    import transport
-    return isinstance(e, (RemoteError, transport.Timeout, TimeoutError))
-
-
-# -- statistics of one segment ---------------------------------------------------------
-def segment_record(done: list[Done], *, mode: str, backend: str, target_rate: float, duration: float,
-                   slo_tpot_ms: float, step: Optional[int] = None, use_hdr: Optional[bool] = None,
-                   system: str = "moe-transport", slo_ttft_ms: float = float("inf"),
-                   t_start: Optional[float] = None) -> dict:
-    """One segment's record (the JSON ``results`` entry), vLLM's accounting: successful
-    and failed requests, totals, and every rate over ONE duration, so goodput (requests
-    within both SLOs, a subset of the completed ones) never exceeds the request throughput;
-    percentiles of TTFT/TPOT/ITL/E2EL/queueing (each with its sample count and which
-    percentiles it supports); the saturation verdict.
-
-    ``duration`` is the length of the schedule that offered the load (the step's, or less
-    when --max-requests cut it short), starting at ``t_start`` (default: the first
-    scheduled arrival); the benchmark duration (``duration_s``) runs from ``t_start`` to
-    the later of the schedule's end and the end of the last request, as vLLM's runs from
-    the first send (its arrivals span n/rate) to the last reply."""
-    recorded = [d for d in done if d.job.record]
-    ok = [d for d in recorded if d.error is None]
-    hist = {k: Histogram(use_hdr) for k in ("ttft", "tpot", "itl", "e2e", "queue", "prefill")}
-    for d in ok:
-        hist["ttft"].record(d.first - d.sched)
-        hist["e2e"].record(d.end - d.sched)
-        hist["queue"].record(max(0.0, d.start - d.sched))
-        hist["prefill"].record(d.first - d.start)
-        if d.steps:
-            hist["tpot"].record(float(np.mean(d.steps)))
-            for s in d.steps:
-                hist["itl"].record(s)
-    if recorded:
-        t_begin = min(d.sched for d in recorded) if t_start is None else t_start
-        t_end = max(t_begin + duration, max(max(d.end, d.sched) for d in recorded))
-        bench_s = t_end - t_begin
-    else:
-        bench_s = 0.0
-
-    def per_s(x: float) -> float:
-        return x / bench_s if bench_s > 0 else 0.0
-
-    starts = sorted(d.start for d in recorded if d.start)
-    # the rate at which requests got a client thread; below the schedule's when the clients
-    # (the concurrency limit) or the generator fell behind
-    start_rate = (len(starts) - 1) / (starts[-1] - starts[0]) if len(starts) >= 2 and starts[-1] > starts[0] else 0.0
-    sch = sorted(d.sched for d in recorded)
-    # the rate the realized schedule asked for (bursty or Poisson gaps over a short window
-    # differ from the target by chance)
-    scheduled = (len(sch) - 1) / (sch[-1] - sch[0]) if len(sch) >= 2 and sch[-1] > sch[0] else 0.0
-    good = [d for d in ok if 1e3 * (d.first - d.sched) <= slo_ttft_ms
-            and (not d.steps or 1e3 * float(np.mean(d.steps)) <= slo_tpot_ms)]
-    input_tokens = sum(d.job.prefill for d in ok)
-    decode_tokens = sum(len(d.steps) for d in ok)
-    generated = sum(1 + len(d.steps) for d in ok)  # the prefill's first token, then one per decode step
-    layer_tokens = input_tokens + decode_tokens  # rows through the MoE layer
-    by_sched = sorted(recorded, key=lambda d: d.sched)
-    growing = S.queue_growing([d.sched for d in by_sched], [max(0.0, d.start - d.sched) for d in by_sched])
-    tpot = hist["tpot"].summary()
-    verdict = S.StepVerdict(target_rate, tpot["p99"] if tpot["n"] else 0.0, growing, slo_tpot_ms,
-                            failed=len(recorded) - len(ok), requests=len(recorded))
-    rec = {"system": system, "backend": backend, "mode": mode, "target_rate": target_rate,
-           "scheduled_rate": scheduled, "start_rate": start_rate,
-           "requests": len(recorded), "completed": len(ok), "failed": len(recorded) - len(ok),
-           "duration_s": bench_s, "schedule_s": duration,
-           "total_input_tokens": input_tokens, "total_output_tokens": generated, "tokens": layer_tokens,
-           "request_throughput": per_s(len(ok)), "request_goodput": per_s(len(good)),
-           "output_throughput": per_s(generated), "total_token_throughput": per_s(input_tokens + generated),
-           "tokens_per_s": per_s(layer_tokens), "goodput_tokens_per_s": per_s(sum(d.tokens for d in good)),
-           "good": len(good), "goodput_share": len(good) / len(ok) if ok else 0.0,
-           "ttft_ms": hist["ttft"].summary(), "tpot_ms": tpot, "itl_ms": hist["itl"].summary(),
-           "e2e_ms": hist["e2e"].summary(), "queue_ms": hist["queue"].summary(),
-           "prefill_ms": hist["prefill"].summary(), "histogram": hist["ttft"].kind,
-           "queue_growing": growing, "saturated": not verdict.ok, "verdict": verdict.why}
-    if step is not None:
-        rec["step"] = step
-    errs = [d.error for d in recorded if d.error]
-    if errs:
-        rec["first_error"] = errs[0]
-    return rec
-
-
-# -- progress (stderr) -----------------------------------------------------------------
-class Progress:
-    def __init__(self, kind: str, total: int, label: str) -> None:
-        if kind == "auto":
-            kind = "rich" if sys.stderr.isatty() else "plain"
-        self.kind, self.total, self.label = kind, max(1, total), label
-        self._bar = None
-        self._last = 0.0
-        if kind == "rich":
-            try:
-                from rich.console import Console
-                from rich.progress import BarColumn, MofNCompleteColumn, Progress as RP, TextColumn, TimeElapsedColumn
-                self._bar = RP(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                               TextColumn("{task.fields[info]}"), TimeElapsedColumn(), transient=True,
-                               console=Console(stderr=True))
-                self._bar.start()
-                self._task = self._bar.add_task(label, total=self.total, info="")
-            except Exception:
-                self.kind = "plain"
-
-    def update(self, sent: int, done: int, busy: int, lateness_ms: float) -> None:
-        info = f"done {done} busy {busy} late {lateness_ms:.1f} ms"
-        if self._bar is not None:
-            self._bar.update(self._task, completed=min(sent, self.total), info=info)
-        elif self.kind == "plain":
-            now = time.monotonic()
-            if now - self._last >= 1.0:
-                self._last = now
-                note(f"  {self.label}: sent {sent}/{self.total} {info}")
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
+from gateway.client import GatewayClient
+from gateway.config import make_router
+from gateway.router import Router
 
 
 # -- the run ---------------------------------------------------------------------------
@@ -347,13 +77,11 @@ def _shm_entries() -> set:
         return set()
 
 
-def _resolve(args) -> None:
+def resolve(args) -> None:
     """Defaults, the arrival process, and the plan of systems; ConfigError on flags that
     contradict each other."""
     if getattr(args, "resolved", False):  # bench.cli validated these flags already
         return
-    from bench.load_cli import seconds_to_ms
-    from bench import placement_bench
     placement_bench.apply_preset(args)
     seconds_to_ms(args)
     base = FULL if args.full else DEMO
@@ -403,7 +131,6 @@ def _resolve(args) -> None:
         args.burstiness, args.arrival_cv = 1.0, 1.0
     else:
         args.burstiness, args.arrival_cv = None, 0.0
-    from bench.systems import SYSTEMS
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     if names == ["all"]:
         names = list(SYSTEMS)
@@ -469,7 +196,6 @@ def _points(args) -> list[dict]:
 def describe_gateway(url: str, timeout: float) -> dict:
     """What a running gateway serves, from its pong: ``config`` (d_model, dtype, experts,
     top-k, router, batching) and its workers (each with the d_ff its hello said)."""
-    from gateway.client import GatewayClient
     try:
         with GatewayClient(url, timeout=timeout, connect_timeout=min(timeout, 10.0)) as c:
             pong = c.ping(timeout=timeout)
@@ -529,17 +255,9 @@ def adopt_gateway(args, cfg: dict) -> None:
         "--d-ff (not verified: " + cfg["d_ff_source"] + ")" if args.d_ff is not None else cfg["d_ff_source"])
 
 
-def _lengths(args, rng: np.random.Generator) -> tuple[int, int]:
-    if args.mode != "mixed":
-        return args.prefill, args.decode
-    return (int(rng.integers(max(1, args.prefill // 4), args.prefill + 1)),
-            int(rng.integers(1, args.decode + 1)) if args.decode > 0 else 0)
-
-
 def started_router(args):
     """The router a gateway started with these flags builds (gateway/config.py's make_router):
     the load generator steers tokens with it and the peers route with it."""
-    from gateway.config import make_router
     try:
         return _make_router(make_router, args)
     except ValueError as e:
@@ -561,12 +279,10 @@ def gateway_flags(args) -> list[str]:
         out += ["--noisy", "--noise-std", repr(float(args.noise_std))]
     if args.gate_bias:
         out.append(f"--gate-bias={args.gate_bias}")  # "=": values may start with "-"
-    from bench.placement_bench import gateway_flags as placement_flags
-    return out + placement_flags(args)
+    return out + placement_bench.gateway_flags(args)
 
 
 def make_system(name: str, backend: Optional[str], args, router):
-    from bench import systems as SY
     seed = args.seed
     if name == "moe-transport":
         if args.gateway:
@@ -590,39 +306,9 @@ def make_system(name: str, backend: Optional[str], args, router):
     raise ValueError(name)
 
 
-def run_segment(pool: ClientPool, args, clock, *, rate: float, duration: float, rng: np.random.Generator,
-                record: bool, max_n: Optional[int], step: int, label: str, stop: threading.Event,
-                bank, scenario, t_run: float) -> tuple[list[Done], list[float]]:
-    first = len(pool.done)
-    gaps = S.make_gaps(args.arrival, rate, rng, args.burstiness if args.arrival == "gamma" else 1.0)
-    t0 = clock.now() + 0.005
-    sched = S.arrivals(gaps, t0=t0, duration=duration, max_n=max_n, step=step, rate=rate)
-    pacer = S.Pacer(sched, clock, stop=stop.is_set)
-    expect = int(rate * duration) if max_n is None else min(max_n, int(rate * duration) + 1)
-    prog = Progress(args.progress, expect, label)
-    sent, last = 0, None
-    try:
-        for a in pacer:
-            P, D = _lengths(args, rng)
-            idx = bank.draw(P + D, scenario.popularity(a.t - t_run), rng)
-            pool.submit(Job(a, P, D, record, idx))
-            sent += 1
-            last = a.t
-            prog.update(sent, len(pool.done) - first, pool.busy, 1e3 * pacer.lateness[-1])
-        pool.drain(timeout=args.timeout * (1 + args.decode) + 10)
-    finally:
-        prog.close()
-    # the schedule's length: the whole step, unless --max-requests or a stop cut it short
-    # (then up to one mean gap after its last arrival)
-    if last is not None and ((max_n is not None and sent >= max_n) or stop.is_set()):
-        duration = min(duration, last - t0 + 1.0 / rate)
-    return pool.done[first:], pacer.lateness, t0, duration
-
-
 def _counters(system) -> dict:
     """The system's counters, with this process's CPU (client threads, and the peers that
     run in-process) as "load-generator"."""
-    from bench.systems import proc_cpu_seconds
     c = system.counters()
     c.setdefault("cpu_s", {})["load-generator"] = proc_cpu_seconds(os.getpid())
     return c
@@ -668,7 +354,6 @@ def _safe_counters(system) -> dict:
 
 def run_system(name: str, backend: Optional[str], args, router, bank, scenario) -> dict:
     """One system under the whole load (warm-up, then every step); its records and trace."""
-    from bench import models as M
     clock = S.RealClock()
     rng = np.random.default_rng(args.seed)  # the same schedule and tokens for every system
     label = name if backend is None else f"{name}/{backend}"
@@ -762,71 +447,6 @@ def run_system(name: str, backend: Optional[str], args, router, bank, scenario) 
     return out
 
 
-def _ratios(runs: list[dict], mode: str) -> list[dict]:
-    """Each moe-transport run against each peer: tokens/s and p99 TPOT at the same load
-    (the last step both completed), and, for a ramp, tokens/s at each one's knee (a knee
-    not reached makes that side's figure a lower bound, and the ratio says so)."""
-    ours = [r for r in runs if r["system"] == "moe-transport"]
-    peers = [r for r in runs if r["system"] != "moe-transport"]
-    out = []
-    for o in ours:
-        for p in peers:
-            row = {"ours": f"moe-transport/{o['backend']}", "peer": p["system"]}
-            n = min(len(o["records"]), len(p["records"]))
-            if n:
-                a, b = o["records"][n - 1], p["records"][n - 1]
-                row["at_rate"] = a["target_rate"]
-                row["tokens_per_s"] = a["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None
-                if a["tpot_ms"]["n"] and b["tpot_ms"]["n"]:
-                    row["p99_tpot_lower_by"] = b["tpot_ms"]["p99"] / a["tpot_ms"]["p99"]
-                if a["ttft_ms"]["n"] and b["ttft_ms"]["n"]:
-                    row["p99_ttft_lower_by"] = b["ttft_ms"]["p99"] / a["ttft_ms"]["p99"]
-            if mode == "ramp":
-                ko, kp = o.get("knee") or {}, p.get("knee") or {}
-                row["knee"] = [ko.get("text"), kp.get("text")]
-                row["knee_rate"] = [ko.get("rate"), kp.get("rate")]
-                ka, kb = _at_knee(o), _at_knee(p)
-                if ka and kb and kb["tokens_per_s"]:
-                    v = ka["tokens_per_s"] / kb["tokens_per_s"]
-                    if ko.get("reached") and kp.get("reached"):
-                        row["tokens_per_s_at_knee"] = v
-                    elif not ko.get("reached") and kp.get("reached"):
-                        row["tokens_per_s_at_knee_at_least"] = v  # ours did not saturate: a lower bound
-                    elif ko.get("reached") and not kp.get("reached"):
-                        row["tokens_per_s_at_knee_at_most"] = v
-                    else:
-                        row["tokens_per_s_top_steps"] = v  # neither saturated: top steps only
-                elif ka and not kb:
-                    row["peer_saturated_at_every_step"] = True  # no ratio: the peer met the SLO nowhere
-            out.append(row)
-    return out
-
-
-def _at_knee(run: dict) -> Optional[dict]:
-    ok = [r for r in run["records"] if not r["saturated"]]
-    return max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
-
-
-def _targets(ratios: list[dict], mode: str) -> list[dict]:
-    """The load targets, evaluated where this run measured them (a benchmark, not a test)."""
-    out = []
-    if mode != "ramp":
-        return out
-    for r in ratios:
-        if r["ours"] != "moe-transport/shm":
-            continue
-        limit = {"ray": 5.0, "multiprocessing": 2.0}.get(r["peer"])
-        if not limit:
-            continue
-        for key, how in (("tokens_per_s_at_knee", ""), ("tokens_per_s_at_knee_at_least", " (ours: knee not reached, "
-                                                                                          "a lower bound)")):
-            if key in r:
-                v = r[key]
-                out.append({"target": f"shm tokens/s at the knee / {r['peer']}{how}", "value": v, "limit": limit,
-                            "met": v >= limit})
-    return out
-
-
 def _meta(args, router, scenario, gw_cfg: Optional[dict], runs: list[dict]) -> dict:
     started = next((r.get("gateway_config") for r in runs if r.get("gateway_started")), None)
     return {"mode": args.mode, "arrival": args.arrival, "burstiness": args.burstiness, "arrival_cv": args.arrival_cv,
@@ -847,55 +467,9 @@ def _meta(args, router, scenario, gw_cfg: Optional[dict], runs: list[dict]) -> d
             "systems": [f"{n}/{b}" if b else n for n, b in args.plan]}
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except ConfigError as e:
-        note(f"moe-bench load: {e}")
-        return 2
-
-
-def _run(args: argparse.Namespace) -> int:
-    from bench import load_report as R
-    from bench.provenance import emit_report, provenance, write_json_atomic
-    prov = provenance()
-    _resolve(args)
-    from bench.load_cli import plan
-    note(plan(args))
-    if args.points:
-        from bench.experiments import run_points
-        return run_points(args, prov)
-    res = measure(args)
-    runs, measured, models, meta = res["runs"], res["measured"], res["models"], res["meta"]
-    md = R.markdown(runs, res["ratios"], res["targets"], models, res["scenario"], args, prov, meta)
-    md += load_hooks.report(runs)
-    emit_report(md, args.markdown)
-    if args.json:
-        moe = [r for r in measured if r["system"] == "moe-transport"]
-        doc = {"provenance": prov, "meta": meta, "results": [rec for r in measured for rec in r["records"]],
-               "knees": {f"{r['system']}/{r['backend']}": r["knee"] for r in measured},
-               "ratios": res["ratios"], "targets": res["targets"], "models": models,
-               "failed_systems": {r["system"]: r["error"] for r in runs if r.get("error")},
-               "interrupted": any(r.get("interrupted") for r in runs), "shm_left_behind": res["leaked"]}
-        if args.mode == "ramp" and moe:
-            doc["knee"] = moe[0]["knee"]
-            doc["knee_rate"] = (moe[0]["knee"] or {}).get("rate")  # null unless a knee was reached
-        write_json_atomic(args.json, nan_to_none(doc))
-        note(f"wrote {args.json}")
-    if args.plot:
-        write_plot(lambda: R.plot(measured, models, args.plot, args.mode, args.slo_tpot_ms), args.plot,
-                   bool(measured))
-        load_hooks.plots(runs, args.plot)
-    return max(res["rc"], load_hooks.rc(runs))
-
-
 def measure(args: argparse.Namespace) -> dict:
     """Run every system of ``args.plan`` (resolved) under the load; their runs, the routing
     models, ratios and the run's meta, and the exit code so far."""
-    from bench import load_report as R
-    from bench import models as M
-    from bench.scenarios import Scenario, TokenBank
-    from gateway.router import Router
     shm_before = _shm_entries()
     gw_cfg = None
     if args.gateway:  # the layer is what the running gateway serves: ask it first
@@ -965,8 +539,8 @@ def measure(args: argparse.Namespace) -> dict:
         model = models["comm_volume"]["total_bytes"]
         models["comm_volume"]["transport_bytes_measured"] = got
         models["comm_volume"]["measured_over_model"] = got / model if model else None
-    ratios = _ratios(measured, args.mode)
-    targets = _targets(ratios, args.mode)
+    ratios = R.ratios(measured, args.mode)
+    targets = R.targets(ratios, args.mode)
     meta = _meta(args, router, scenario, gw_cfg, runs)
     return {"runs": runs, "measured": measured, "models": models, "ratios": ratios, "targets": targets,
             "meta": meta, "scenario": scenario, "router": router, "leaked": leaked, "rc": rc}

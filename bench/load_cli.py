@@ -1,20 +1,22 @@
-"""`moe-bench load`'s command line: its flags, and their check before any load is sent.
-
-bench.load re-exports :func:`add_arguments` and :func:`validate` (the subcommand's
-interface); the meaning of each flag is bench.load's.
-"""
+"""`moe-bench load`: its flags, their check before any load is sent, the plan it prints
+first, and the run: one load over the systems (bench/load.py, where each flag's meaning
+is), or the points of a sweep or comparison (bench/experiments.py)."""
 from __future__ import annotations
 
 import argparse
 
+from bench import load_hooks, load_report as R, placement_bench
+from bench.experiments import run_points
+from bench.load import measure, resolve
+from bench.load_config import DEMO, FULL, LAYER_DEFAULTS, MIXED_BURSTINESS, STARTED_DEFAULTS, ConfigError
+from bench.output import nan_to_none, note, write_plot
+from bench.provenance import emit_report, provenance, write_json_atomic
+from bench.scenarios import SCENARIOS
 from gateway.chunking import chunk_rows_flag
 from transport.service import options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from bench.load import DEMO, FULL, LAYER_DEFAULTS, MIXED_BURSTINESS, STARTED_DEFAULTS
-    from bench.scenarios import SCENARIOS
-
     rate = options.positive_number
     p.add_argument("--mode", default=None, choices=["fixed-rate", "ramp", "mixed"],
                    help="fixed-rate: one rate; ramp: steps up to saturation; mixed: bursty arrivals and mixed "
@@ -126,26 +128,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                      "over time, LRU cache hit rate")
     out.add_argument("--progress", default="auto", choices=["auto", "rich", "plain", "none"],
                      help="progress on stderr (default auto: rich on a terminal, else plain lines)")
-    from bench.placement_bench import add_arguments as placement_arguments
-    placement_arguments(p)
-
-
-def seconds_to_ms(args: argparse.Namespace) -> None:
-    """The flags in seconds as the milliseconds the load tool and its JSON keep."""
-    wait = getattr(args, "max_wait", None)
-    args.max_wait_ms = None if wait is None else wait * 1e3
-    for key, default in (("slo_tpot", 0.1), ("slo_ttft", 2.0)):
-        v = getattr(args, key, None)
-        setattr(args, f"{key}_ms", (default if v is None else v) * 1e3)
+    placement_bench.add_arguments(p)
 
 
 def validate(args: argparse.Namespace) -> None:
     """The flags resolved and checked before any load (bench.load's ConfigError as a
     usage error)."""
-    from bench.load import ConfigError, _resolve
-
     try:
-        _resolve(args)
+        resolve(args)
     except ConfigError as e:
         raise options.UsageError(str(e)) from None
 
@@ -176,3 +166,41 @@ def plan(args: argparse.Namespace) -> str:
         runs = f"{n} system(s) ({', '.join(s if b is None else f'{s}/{b}' for s, b in args.plan)})"
     return (f"plan: {runs}, each {args.warmup:g} s of warm-up and {what}: about {n * each / 60:.1f} min "
             f"at most")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ConfigError as e:
+        note(f"moe-bench load: {e}")
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    prov = provenance()
+    resolve(args)
+    note(plan(args))
+    if args.points:
+        return run_points(args, prov)
+    res = measure(args)
+    runs, measured, models, meta = res["runs"], res["measured"], res["models"], res["meta"]
+    md = R.markdown(runs, res["ratios"], res["targets"], models, res["scenario"], args, prov, meta)
+    md += load_hooks.report(runs)
+    emit_report(md, args.markdown)
+    if args.json:
+        moe = [r for r in measured if r["system"] == "moe-transport"]
+        doc = {"provenance": prov, "meta": meta, "results": [rec for r in measured for rec in r["records"]],
+               "knees": {f"{r['system']}/{r['backend']}": r["knee"] for r in measured},
+               "ratios": res["ratios"], "targets": res["targets"], "models": models,
+               "failed_systems": {r["system"]: r["error"] for r in runs if r.get("error")},
+               "interrupted": any(r.get("interrupted") for r in runs), "shm_left_behind": res["leaked"]}
+        if args.mode == "ramp" and moe:
+            doc["knee"] = moe[0]["knee"]
+            doc["knee_rate"] = (moe[0]["knee"] or {}).get("rate")  # null unless a knee was reached
+        write_json_atomic(args.json, nan_to_none(doc))
+        note(f"wrote {args.json}")
+    if args.plot:
+        write_plot(lambda: R.plot(measured, models, args.plot, args.mode, args.slo_tpot_ms), args.plot,
+                   bool(measured))
+        load_hooks.plots(runs, args.plot)
+    return max(res["rc"], load_hooks.rc(runs))

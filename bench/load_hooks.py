@@ -16,16 +16,20 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from bench import elastic
+from bench.answer_check import AnswerLog
+from bench.output import note
+from bench.placement_bench import analyse_run
+from bench.placement_timeline import PlacementTimeline
+
 
 class AnswerHook:
     def __init__(self, pool: Any, bank: Any, router: Any, args: Any) -> None:
-        from bench.answer_check import AnswerLog
 
         self.log, self.bank, self.router, self.args = AnswerLog(), bank, router, args
         pool.on_answer = self.log.answer
 
     def finish(self, out: dict) -> None:
-        from bench.load import note
 
         v = self.log.verify(self.bank, self.args.d_ff, self.args.seed, self.router)
         out["answers"] = v
@@ -35,7 +39,6 @@ class AnswerHook:
 
 class PlacementHook:
     def __init__(self, system: Any, pool: Any, clock: Any, t_run: float, args: Any) -> None:
-        from bench.placement_timeline import PlacementTimeline
         from gateway.client import GatewayClient
 
         self.pool, self.t_run, self.args = pool, t_run, args
@@ -44,7 +47,6 @@ class PlacementHook:
                                           period=args.placement_poll).start()
 
     def finish(self, out: dict) -> None:
-        from bench.placement_bench import analyse_run
 
         try:
             out["placement_timeline"] = self.timeline.stop()
@@ -62,9 +64,8 @@ def start(args: Any, name: str, system: Any, pool: Any, clock: Any, t_run: float
         if getattr(args, "eplb", False) or getattr(args, "placement_arm", None):
             hooks.append(PlacementHook(system, pool, clock, t_run, args))
         if getattr(args, "scale_at", None):
-            from bench.elastic import ElasticHook
 
-            hooks.append(ElasticHook(system, pool, clock, t_run, args))
+            hooks.append(elastic.ElasticHook(system, pool, clock, t_run, args))
         if getattr(args, "check_answers", False):  # last: it checks after the others have stopped
             hooks.append(AnswerHook(pool, bank, router, args))
     except BaseException:
@@ -75,7 +76,6 @@ def start(args: Any, name: str, system: Any, pool: Any, clock: Any, t_run: float
 
 def finish(hooks: list, out: dict) -> None:
     """End every hook (each one's failure said, not hiding the others')."""
-    from bench.load import note
 
     for h in hooks:
         try:
@@ -88,7 +88,6 @@ def finish(hooks: list, out: dict) -> None:
 # -- a single run's report (``moe-bench load`` without --compare) -----------------------------------------
 def report(runs: list) -> str:
     """The hooks' sections of the report, for the runs that had them."""
-    from bench import elastic
 
     lines: list = []
     for r in runs:
@@ -123,8 +122,6 @@ def _ms(v) -> str:
 
 def plots(runs: list, path: str) -> None:
     """Figures of their own beside --plot: ``<path>-elastic.png`` for --scale-at."""
-    from bench import elastic
-    from bench.load import note
 
     for r in runs:
         if r.get("elastic") is not None:

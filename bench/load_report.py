@@ -14,6 +14,7 @@ hit rate against the number of resident experts; CPU cores per process.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import numpy as np
 
@@ -253,6 +254,73 @@ def markdown(runs: list[dict], ratios: list[dict], targets: list[dict], models: 
               "**LRU expert cache hit rate** by resident experts: "
               + ", ".join(f"{c + 1}: {100 * h:.0f}%" for c, h in enumerate(lru))]
     return "\n".join(lines)
+
+
+# -- ours against each peer -------------------------------------------------------------
+def ratios(runs: list[dict], mode: str) -> list[dict]:
+    """Each moe-transport run against each peer: tokens/s and p99 TPOT at the same load
+    (the last step both completed), and, for a ramp, tokens/s at each one's knee (a knee
+    not reached makes that side's figure a lower bound, and the ratio says so)."""
+    ours = [r for r in runs if r["system"] == "moe-transport"]
+    peers = [r for r in runs if r["system"] != "moe-transport"]
+    out = []
+    for o in ours:
+        for p in peers:
+            row = {"ours": f"moe-transport/{o['backend']}", "peer": p["system"]}
+            n = min(len(o["records"]), len(p["records"]))
+            if n:
+                a, b = o["records"][n - 1], p["records"][n - 1]
+                row["at_rate"] = a["target_rate"]
+                row["tokens_per_s"] = a["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None
+                if a["tpot_ms"]["n"] and b["tpot_ms"]["n"]:
+                    row["p99_tpot_lower_by"] = b["tpot_ms"]["p99"] / a["tpot_ms"]["p99"]
+                if a["ttft_ms"]["n"] and b["ttft_ms"]["n"]:
+                    row["p99_ttft_lower_by"] = b["ttft_ms"]["p99"] / a["ttft_ms"]["p99"]
+            if mode == "ramp":
+                ko, kp = o.get("knee") or {}, p.get("knee") or {}
+                row["knee"] = [ko.get("text"), kp.get("text")]
+                row["knee_rate"] = [ko.get("rate"), kp.get("rate")]
+                ka, kb = at_knee(o), at_knee(p)
+                if ka and kb and kb["tokens_per_s"]:
+                    v = ka["tokens_per_s"] / kb["tokens_per_s"]
+                    if ko.get("reached") and kp.get("reached"):
+                        row["tokens_per_s_at_knee"] = v
+                    elif not ko.get("reached") and kp.get("reached"):
+                        row["tokens_per_s_at_knee_at_least"] = v  # ours did not saturate: a lower bound
+                    elif ko.get("reached") and not kp.get("reached"):
+                        row["tokens_per_s_at_knee_at_most"] = v
+                    else:
+                        row["tokens_per_s_top_steps"] = v  # neither saturated: top steps only
+                elif ka and not kb:
+                    row["peer_saturated_at_every_step"] = True  # no ratio: the peer met the SLO nowhere
+            out.append(row)
+    return out
+
+
+def at_knee(run: dict) -> Optional[dict]:
+    """The run's busiest step within the SLO (None: every step saturated)."""
+    ok = [r for r in run["records"] if not r["saturated"]]
+    return max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
+
+
+def targets(ratios: list[dict], mode: str) -> list[dict]:
+    """The load targets, evaluated where this run measured them (a benchmark, not a test)."""
+    out = []
+    if mode != "ramp":
+        return out
+    for r in ratios:
+        if r["ours"] != "moe-transport/shm":
+            continue
+        limit = {"ray": 5.0, "multiprocessing": 2.0}.get(r["peer"])
+        if not limit:
+            continue
+        for key, how in (("tokens_per_s_at_knee", ""), ("tokens_per_s_at_knee_at_least", " (ours: knee not reached, "
+                                                                                          "a lower bound)")):
+            if key in r:
+                v = r[key]
+                out.append({"target": f"shm tokens/s at the knee / {r['peer']}{how}", "value": v, "limit": limit,
+                            "met": v >= limit})
+    return out
 
 
 def plot(runs: list[dict], models: dict, path: str, mode: str, slo_tpot_ms: float) -> None:

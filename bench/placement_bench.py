@@ -32,6 +32,14 @@ from typing import Any, Optional
 
 import numpy as np
 
+from bench import elastic
+from bench.answer_check import why_unchecked
+from bench.experiments_report import at_knee, combine, summary
+from bench.load_config import ConfigError
+from bench.placement_timeline import _overlaps, drift_recovery, requests_of, tpot_during_moves, windows
+from bench.scenarios import SCENARIOS
+from transport.service import options
+
 ARMS = ("static", "replicas", "eplb")
 EPLB_INTERVAL, EPLB_WINDOW, POLL = 1.0, 1.0, 0.2  # seconds: a few per ramp step of a few seconds
 # DeepSeek-V3's routed layer: 256 experts, top-8, on 8 workers with 32 redundant copies (its EPLB
@@ -41,8 +49,6 @@ PRESETS = {"deepseek-v3": dict(n_experts=256, top_k=8, local_workers=8, redundan
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from bench.scenarios import SCENARIOS
-    from transport.service import options
 
     g = p.add_argument_group("expert placement (the started gateway's; --compare placement=static,replicas,eplb)")
     g.add_argument("--eplb", action="store_true",
@@ -70,9 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preset", default=None, choices=sorted(PRESETS),
                    help="deepseek-v3: 256 experts top-8 on 8 local workers, 32 redundant, zipf routing, "
                         "d_model/d_ff 64 (each flag given still wins)")
-    from bench.elastic import add_arguments as elastic_arguments
 
-    elastic_arguments(g)
+    elastic.add_arguments(g)
 
 
 def apply_preset(args: argparse.Namespace) -> None:
@@ -97,9 +102,6 @@ def _free_slots(n_experts: int, workers: int) -> int:
 def resolve(args: argparse.Namespace) -> None:
     """The placement and --scale-at flags checked and filled in (bench.load's ConfigError on a
     contradiction)."""
-    from bench.answer_check import why_unchecked
-    from bench.load import ConfigError
-    from bench.scenarios import SCENARIOS
 
     arms = [p["value"] for p in args.points if p["axis"] == "placement"]
     args.placement_arms = arms
@@ -141,9 +143,8 @@ def resolve(args: argparse.Namespace) -> None:
         why = why_unchecked(args)
         if why:
             raise ConfigError(f"--check-answers: {why}")
-    from bench.elastic import resolve as elastic_resolve
 
-    elastic_resolve(args)
+    elastic.resolve(args)
 
 
 def gateway_flags(args: argparse.Namespace) -> list[str]:
@@ -188,7 +189,6 @@ def step_spans(done: list, t_run: float) -> dict:
 def analyse_run(out: dict, done: list, t_run: float, args: Any) -> dict:
     """What the timeline says about this run's requests: failures, TPOT during moves against
     steady, per-step balancedness and EPLB run time, drift recovery."""
-    from bench.placement_timeline import _overlaps, drift_recovery, requests_of, tpot_during_moves, windows
 
     tl = out.get("placement_timeline") or {}
     samples, moves = tl.get("samples", []), tl.get("moves", [])
@@ -223,7 +223,6 @@ def analyse_run(out: dict, done: list, t_run: float, args: Any) -> dict:
 
 def trial_summary(pt: dict, res: dict) -> dict:
     """bench.experiments.summary, with the placement findings at the knee."""
-    from bench.experiments import at_knee, summary
 
     s = summary(pt, res)
     s["scenario"] = pt["scenario"]
@@ -259,7 +258,6 @@ def gateway_share(rec: Optional[dict], step: dict) -> Optional[dict]:
 def combine_trials(pt: dict, trials: list[dict]) -> dict:
     """bench.experiments.combine, with the placement findings over the repeats: medians of
     the figures, sums of the failures and wrong answers."""
-    from bench.experiments import combine
 
     out = combine(pt, trials)
     pls = [t.get("placement") or {} for t in trials]
@@ -293,53 +291,3 @@ def combine_trials(pt: dict, trials: list[dict]) -> dict:
                                                                       "rebalance_ms", "own_ms", "round_ms", "share")
                             } if gs else None
     return out
-
-
-def run(args: argparse.Namespace, prov: dict) -> int:
-    """Every arm under every scenario, repeats interleaved; the report, JSON and plot."""
-    from bench import placement_report as R
-    from bench.load import ConfigError, measure
-    from bench.output import nan_to_none, note, write_plot
-    from bench.provenance import emit_report, write_json_atomic
-
-    cells = {(sc, arm): {"kind": "compare", "axis": "placement", "value": arm, "scenario": sc,
-                         "label": f"{arm} / {sc}", "baseline": arm == args.placement_arms[0]}
-             for sc in args.scenario_list for arm in args.placement_arms}
-    trials: dict = {c: [] for c in cells}
-    rc, repeat = 0, max(1, args.repeat)
-    for rep in range(repeat):  # interleaved: a drift in the machine's load hits every arm alike
-        for i, ((sc, arm), pt) in enumerate(cells.items()):
-            note(f"point {i + 1}/{len(cells)}{f', repeat {rep + 1}/{repeat}' if repeat > 1 else ''}: {pt['label']}")
-            pargs = arm_args(args, arm, sc)
-            try:
-                res = measure(pargs)
-            except ConfigError as e:
-                note(f"  {pt['label']}: {e}")
-                trials[(sc, arm)].append({**pt, "error": str(e), "rc": 2, "records": []})
-                rc = 2
-                continue
-            res["args"] = pargs
-            s = trial_summary(pt, res)
-            trials[(sc, arm)].append(s)
-            rc = max(rc, res["rc"])
-            a, pl = s.get("at_knee"), s["placement"]
-            if a:
-                note(f"  {pt['label']}: {(s['knee'] or {}).get('text')}; {a['tokens_per_s']:.0f} tokens/s, p99 TPOT "
-                     f"{a['tpot_p99_ms']:.2f} ms; balancedness {pl.get('balancedness_at_knee')}; moves "
-                     f"{pl.get('moves')}; failed {pl.get('failed')}; wrong {(s.get('answers') or {}).get('wrong')}")
-    points = [combine_trials(cells[c], t) for c, t in trials.items() if t]
-    verdicts = R.verdicts(points)
-    md = R.markdown(args, prov, points, verdicts)
-    emit_report(md, args.markdown)
-    if args.json:
-        doc = {"provenance": prov, "experiment": {"kind": "placement", "arms": args.placement_arms,
-                                                  "scenarios": args.scenario_list, "repeat": repeat,
-                                                  "load": R.load_meta(args)},
-               "points": points, "verdicts": verdicts}
-        write_json_atomic(args.json, nan_to_none(doc))
-        note(f"wrote {args.json}")
-    if args.plot:
-        write_plot(lambda: R.plot(points, args.plot, args), args.plot, any(p.get("at_knee") for p in points))
-    if any(p.get("placement", {}).get("failed") or (p.get("answers") or {}).get("wrong") for p in points):
-        rc = max(rc, 1)
-    return rc

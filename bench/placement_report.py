@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from bench.experiments import _f, _knee_text
+from bench.experiments_report import _f, _knee_text
 
 COLOURS = {"static": "tab:gray", "replicas": "tab:orange", "eplb": "tab:blue"}
 TARGETS = {"uniform_ratio": 0.9, "static_ratio": 1.3, "during_ratio": 1.5, "share": 0.10, "drift": 0.9}

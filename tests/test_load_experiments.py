@@ -14,17 +14,18 @@ import sys
 
 import pytest
 
-from bench import experiments as X
+from bench import experiments_report as XR
 from bench import load as L
+from bench import load_cli as LC
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    L.add_arguments(p)
+    LC.add_arguments(p)
     args = p.parse_args(list(argv))
-    L._resolve(args)
+    L.resolve(args)
     return args
 
 
@@ -56,7 +57,7 @@ def test_sweep_and_compare_parse_into_points():
     (["--compare", "chunk_rows=off,0"], "two or more different values"),
 ])
 def test_bad_experiments_are_refused_with_the_reason(argv, why):
-    with pytest.raises(L.ConfigError, match=None) as e:
+    with pytest.raises(LC.ConfigError, match=None) as e:
         parse(*argv)
     assert why in str(e.value)
 
@@ -72,9 +73,9 @@ def _rec(step, rate, saturated, tps, tpot_mean=5.0, tpot_p99=9.0):
 def test_the_point_is_judged_at_its_knee_or_marked():
     recs = [_rec(0, 10, False, 100), _rec(1, 20, False, 200), _rec(2, 30, True, 250)]
     run = {"records": recs, "knee": {"reached": True, "rate": 20}}
-    assert X.at_knee(run) == (recs[1], "")
-    assert X.at_knee({"records": recs[:2], "knee": {"reached": False, "at_least": 20}}) == (recs[1], ">=")
-    assert X.at_knee({"records": [recs[2]], "knee": {"reached": False, "below": 30}}) == (recs[2], "<")
+    assert XR.at_knee(run) == (recs[1], "")
+    assert XR.at_knee({"records": recs[:2], "knee": {"reached": False, "at_least": 20}}) == (recs[1], ">=")
+    assert XR.at_knee({"records": [recs[2]], "knee": {"reached": False, "below": 30}}) == (recs[2], "<")
 
 
 def test_sweep_table_has_a_row_per_value_with_knee_figures():
@@ -84,8 +85,8 @@ def test_sweep_table_has_a_row_per_value_with_knee_figures():
         res = {"runs": [{"records": [_rec(0, 10, False, 100), _rec(1, 20, False, tps), _rec(2, 30, True, 300)],
                          "knee": {"reached": True, "rate": 20, "text": "knee 20"}, "gateway_config": {}}],
                "models": {"gateway_routing": {"max_over_mean": 1.25}}, "rc": 0}
-        points.append(X.combine(pt, [X.summary(pt, res)]))
-    md = X.markdown(args, {"version": "0", "commit": None, "command": "moe-bench load --sweep n_experts=8,16"},
+        points.append(XR.combine(pt, [XR.summary(pt, res)]))
+    md = XR.markdown(args, {"version": "0", "commit": None, "command": "moe-bench load --sweep n_experts=8,16"},
                     points)
     rows = [ln for ln in md.splitlines() if ln.startswith("| 8 |") or ln.startswith("| 16 |")]
     assert len(rows) == 2
@@ -100,17 +101,17 @@ def test_repeats_combine_into_medians_and_the_noise_floor_is_reported():
         res = {"runs": [{"records": [_rec(0, 10, False, tps), _rec(1, 20, True, tps)],
                          "knee": {"reached": True, "rate": 10, "text": "knee 10"}, "gateway_config": {}}],
                "models": {"gateway_routing": {"max_over_mean": 1.1}}, "rc": 0}
-        return X.summary(pt, res)
+        return XR.summary(pt, res)
 
     figures = {"batching=fifo": (100, 140, 120), "batching=expert-aware": (300, 310, 320),
                "max_inflight_rounds=1": (50, 60, 55), "max_inflight_rounds=2": (110, 150, 130)}
-    points = [X.combine(pt, [trial(pt, v) for v in figures[pt["label"]]]) for pt in args.points]
+    points = [XR.combine(pt, [trial(pt, v) for v in figures[pt["label"]]]) for pt in args.points]
     fifo, aware, one, two = points
     assert fifo["at_knee"]["tokens_per_s"] == 120 and fifo["tokens_per_s_range"] == [100, 140]
-    assert X._verdict(aware, fifo) == "higher, beyond the spread"
-    assert X._verdict(two, fifo) == "within the spread"  # (110-150 overlaps 100-140)
-    assert X._verdict(one, two) == "lower, beyond the spread"
-    md = X.markdown(args, {"version": "0", "commit": None, "command": "c"}, points)
+    assert XR._verdict(aware, fifo) == "higher, beyond the spread"
+    assert XR._verdict(two, fifo) == "within the spread"  # (110-150 overlaps 100-140)
+    assert XR._verdict(one, two) == "lower, beyond the spread"
+    md = XR.markdown(args, {"version": "0", "commit": None, "command": "c"}, points)
     # batching=fifo and max_inflight_rounds=2 are one configuration (fifo, 2 rounds in flight by default)
     floor = next(ln for ln in md.splitlines() if ln.startswith("**noise floor**"))
     assert "measured 6 times" in floor and "batching=fifo, max_inflight_rounds=2" in floor

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from bench import load as L
+from bench import load_cli as LC
 from bench import load_report as R
 from bench import schedule as S
-from bench.load import Done, Histogram, Job, segment_record
+from bench.load_clients import Done, Job, segment_record
+from bench.stats import Histogram
 
 
 def _req(i, sched, qdelay, prefill_s, steps, P=16, error=None):
@@ -177,29 +179,29 @@ def test_knee_reached_and_below_the_ramp():
 
 def _parser():
     p = argparse.ArgumentParser()
-    L.add_arguments(p)
+    LC.add_arguments(p)
     return p
 
 
 def test_arrival_flags():
     p = _parser()
     a = p.parse_args(["--burstiness", "0.25"])
-    L._resolve(a)
+    L.resolve(a)
     assert a.arrival == "gamma" and a.burstiness == 0.25 and a.arrival_cv == pytest.approx(2.0)
     a = p.parse_args(["--arrival-cv", "2"])
-    L._resolve(a)
+    L.resolve(a)
     assert a.arrival == "gamma" and a.burstiness == pytest.approx(0.25) and a.arrival_cv == pytest.approx(2.0)
     a = p.parse_args(["--mode", "mixed"])
-    L._resolve(a)
-    assert a.arrival == "gamma" and a.burstiness == L.MIXED_BURSTINESS  # mixed stays bursty by default
+    L.resolve(a)
+    assert a.arrival == "gamma" and a.burstiness == LC.MIXED_BURSTINESS  # mixed stays bursty by default
     a = p.parse_args(["--arrival", "gamma"])
-    L._resolve(a)
+    L.resolve(a)
     assert a.burstiness == 1.0 and a.arrival_cv == 1.0  # vLLM's default: Poisson
     a = p.parse_args([])
-    L._resolve(a)
+    L.resolve(a)
     assert a.arrival == "constant" and a.burstiness is None
-    with pytest.raises(L.ConfigError):
-        L._resolve(p.parse_args(["--arrival", "constant", "--burstiness", "2"]))
+    with pytest.raises(LC.ConfigError):
+        L.resolve(p.parse_args(["--arrival", "constant", "--burstiness", "2"]))
     with pytest.raises(SystemExit):  # one or the other
         p.parse_args(["--burstiness", "1", "--arrival-cv", "1"])
     with pytest.raises(SystemExit):
@@ -208,12 +210,12 @@ def test_arrival_flags():
 
 def test_worker_count_flag_is_local_workers():
     from bench import moe_bench
-    for mod in (L, moe_bench):
+    for mod in (LC, moe_bench):
         p = argparse.ArgumentParser()
         mod.add_arguments(p)
         assert p.parse_args(["--local-workers", "3"]).local_workers == 3
         with pytest.raises(SystemExit):  # no alias left: --workers means the gateway's URL list elsewhere
             p.parse_args(["--workers", "3"])
     a = _parser().parse_args([])
-    L._resolve(a)
+    L.resolve(a)
     assert a.local_workers == 2

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from bench import schedule as S
-from bench.load import Done, Histogram, Job, segment_record
+from bench.load_clients import Done, Job, segment_record
+from bench.stats import Histogram
 
 
 

@@ -12,6 +12,8 @@ import pytest
 
 from bench import elastic as EL
 from bench import load as L
+from bench import load_clients as LCL
+from bench import load_cli as LC
 from bench import placement_bench as PB
 from bench import placement_report as PR
 from bench import placement_timeline as PT
@@ -20,9 +22,9 @@ from bench import schedule as S
 
 def parse(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    L.add_arguments(p)
+    LC.add_arguments(p)
     args = p.parse_args(list(argv))
-    L._resolve(args)
+    L.resolve(args)
     return args
 
 
@@ -84,7 +86,7 @@ def test_the_deepseek_preset_sets_the_routing_shape_and_given_flags_win():
     (["--mode", "ramp", "--scale-at", "1:2"], "use --mode fixed-rate"),
 ])
 def test_bad_placement_flags_are_refused_with_the_reason(argv, why):
-    with pytest.raises(L.ConfigError) as e:
+    with pytest.raises(LC.ConfigError) as e:
         parse(*argv)
     assert why in str(e.value)
 
@@ -169,8 +171,8 @@ def test_drift_recovery_is_judged_two_intervals_after_each_shift():
 
 
 def _done(t0, step, steps=(0.01, 0.01), error=None):
-    job = L.Job(S.Arrival(0, t0, step), 4, len(steps), True, np.arange(4 + len(steps)))
-    d = L.Done(job, start=t0, first=t0 + 0.02, error=error)
+    job = LCL.Job(S.Arrival(0, t0, step), 4, len(steps), True, np.arange(4 + len(steps)))
+    d = LCL.Done(job, start=t0, first=t0 + 0.02, error=error)
     t = d.first
     d.passes = [(t0, job.idx[:4])]
     for s in steps:
