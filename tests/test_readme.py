@@ -222,7 +222,7 @@ class Runner:
         """A make target is dry-run (the commands it would run must exist); ``make run``'s
         demo then runs for real with this interpreter."""
         p = subprocess.run(["make", "-n", *words[1:]], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                           env=dict(os.environ, SUDO="true"))
+                           env=dict(MAKE_ENV, SUDO="true"))
         assert p.returncode == 0, (words, p.stderr)
         if words[1:] == ["run"]:
             demo = next(ln for ln in p.stdout.splitlines() if "-m gateway.demo" in ln)
@@ -244,8 +244,8 @@ class Runner:
         mod = importlib.import_module(SUBCOMMANDS[words[0]][0])
         mod.add_arguments(p)
         args = p.parse_args(words[1:])
-        if words[0] == "load":
-            mod._resolve(args)
+        if hasattr(mod, "validate"):
+            mod.validate(args)
 
     def engine(self, words: list[str]) -> None:
         """Another engine's recipe, checked without starting it (see the module docstring)."""
