@@ -174,7 +174,7 @@ class Round:
         """Minor page faults taken while it was out, here and (as their replies said) on its
         workers: a round that wrote fresh memory (a new slot's pages, a first large batch)
         pays for it, once, in its time."""
-        return minor_faults() - self._faults0 + self.worker_faults
+        return max(0, minor_faults() - self._faults0) + self.worker_faults  # (0 if read on another thread)
 
     def detach(self, req: Request) -> None:
         for w in req.bases:
@@ -219,8 +219,13 @@ def slots_per_token(router) -> int:
 
 
 
+# the serve loop's own thread: it writes the gateway's fresh memory (gathers, combines), and
+# asking for one thread is cheaper than summing every thread of the process
+_RUSAGE = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+
+
 def minor_faults() -> int:
-    """This process's minor page faults so far."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    """Minor page faults so far of the calling thread (of the process where threads cannot be asked)."""
+    return resource.getrusage(_RUSAGE).ru_minflt
 
 

@@ -60,9 +60,19 @@ def wire_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+_NAMES: dict = {}  # dtype -> its name: numpy builds a dtype's name in Python, on every call
+
+
 def dtype_name(dtype: Any) -> str:
     """"bfloat16" for either bf16 representation, else numpy's name ("float32", ...)."""
-    return BF16_NAME if is_bf16(dtype) else np.dtype(dtype).name
+    try:
+        return _NAMES[dtype]
+    except (KeyError, TypeError):
+        pass
+    name = BF16_NAME if is_bf16(dtype) else np.dtype(dtype).name
+    if len(_NAMES) < 64 and isinstance(dtype, (np.dtype, str)):
+        _NAMES[dtype] = name
+    return name
 
 
 def bits(a: np.ndarray) -> np.ndarray:
