@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from bench.versioned import VersionedReference
+
 MAX_BYTES = 1 << 30  # outputs kept for checking at most (1 GiB)
 CHUNK_ROWS = 4096  # rows per reference forward when checking
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -59,8 +61,6 @@ class AnswerLog:
         """{"checked", "wrong", "unnamed", "unkept", "examples"}: the kept answers against the
         reference layer (experts from ``seed`` at the versions each answer names); an answer
         naming no versions, or of the wrong shape, is wrong (and counted in ``unnamed``)."""
-        from bench.versioned import VersionedReference
-
         ref = VersionedReference(router.d_model, d_ff, router.n_experts, router.top_k, seed=seed)
         ref.router = router  # the very router the gateway was started with
         groups: dict = {}

@@ -18,6 +18,7 @@ from typing import Optional
 
 import numpy as np
 
+from bench.plotstyle import colour
 from bench.stats import MARK, footnote
 
 PCTS = ("p50", "p95", "p99", "p999")
@@ -327,8 +328,6 @@ def plot(runs: list[dict], models: dict, path: str, mode: str, slo_tpot_ms: floa
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from bench.plotstyle import colour
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
     ax = axes[0][0]

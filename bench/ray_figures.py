@@ -28,6 +28,8 @@ import tempfile
 import time
 from typing import Optional
 
+from bench.netns_cluster import NetnsLan, RayCluster
+
 LAYER = dict(n_experts=8, top_k=2, d_model=256, d_ff=512, seed=0)
 WORKERS = 3
 
@@ -179,8 +181,6 @@ def main(argv: Optional[list] = None) -> int:
     args.backend = args.backend or ["shm", "tcp"]
     if args.inner:
         return inner(args)
-
-    from bench.netns_cluster import NetnsLan, RayCluster
 
     lan = NetnsLan(3, tag=f"moef{os.getpid() % 100000}").open()
     extra = {} if args.worker_niceness is None else {"RAY_worker_niceness": str(args.worker_niceness)}

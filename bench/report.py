@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .plotstyle import colour, linestyle
 from .stats import MARK, footnote
 
 FIGURE_TITLE = {"descriptor": "descriptor round trip (payload not touched)",
@@ -428,8 +429,6 @@ def plot_transport(results: list[dict], path: str) -> Optional[str]:
     if not figs:
         print("note: nothing measured; no plot", file=sys.stderr)
         return None
-    from .plotstyle import colour, linestyle
-
     fig, axes = plt.subplots(len(figs), 2, figsize=(12, 4.5 * len(figs)), squeeze=False)
     for row, figure in enumerate(figs):
         ax1, ax2 = axes[row]

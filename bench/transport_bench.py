@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import peers, report
+from . import peers, perftest, report
 from .provenance import provenance, write_json_atomic
 from .stats import min_samples
 
@@ -274,7 +274,6 @@ def _perftest_row(size: int, iters: int, stream_count: Optional[int] = None,
     """perftest on the same device(s), same size, comparable counts (rdma only)."""
     from transport.rdma_device import pick_device
 
-    from . import perftest
     if not perftest.available():
         raise RuntimeError("perftest (ib_send_lat, ib_send_bw, ib_write_bw) is not installed; "
                            "apt-get install perftest, or pass --no-peers")

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator, Optional, Sequence
 
 from . import framing
-from .base import Deadline
+from .base import DEFAULT_SLOT_SIZE, Deadline
 from .errors import AcceptFailed, AuthenticationError, ConnectionClosed, ProtocolError, Refused
 from .framing import Kind
 from .timing import HELLO_TIMEOUT  # noqa: F401  (re-exported: the listeners' handshake bound)
@@ -91,8 +91,6 @@ class Limits:
                      max_nslots: Optional[int] = None) -> "Limits":
         """Defaults derived from this side's own configuration: a peer may use slots as large
         as ours or the default 4 MiB, whichever is larger, and up to 64 of them."""
-        from .base import DEFAULT_SLOT_SIZE
-
         return cls(max_slot_size if max_slot_size is not None else max(slot_size, DEFAULT_SLOT_SIZE),
                    max_nslots if max_nslots is not None else max(nslots, 64))
 

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from .connbook import COUNTED, ConnectionBook
 from .health import Health, HealthServer
+from .options import host, port, version
 
 METRICS = "METRICS"  # the stderr line: "METRICS http://host:port/metrics"
 # Both services' conventional metrics port: 9632 is marked FREE in the exporters' range of
@@ -81,8 +82,6 @@ def build_commit() -> str:
 def build_info(service: str) -> GaugeMetricFamily:
     """``moe_build_info{service, version, commit, python} 1``: join it on ``instance`` to
     see which build each target runs."""
-    from .options import version
-
     fam = GaugeMetricFamily("moe_build_info", "Build of the running service (always 1)",
                             labels=["service", "version", "commit", "python"])
     fam.add_metric([service, version(), build_commit(), platform.python_version()], 1)
@@ -141,8 +140,6 @@ def serve(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1", *, he
 
 
 def add_flags(parser) -> None:
-    from .options import host, port
-
     parser.add_argument("--metrics-port", type=port, nargs="?", const=DEFAULT_PORT, default=None, metavar="PORT",
                         help=f"serve Prometheus metrics on http://ADDR:PORT/metrics, liveness on /healthz and "
                              f"readiness on /readyz (the flag alone: port {DEFAULT_PORT}; 0: a free port); prints "

@@ -21,6 +21,8 @@ import re
 import sys
 from typing import Any, Callable, Optional, Sequence
 
+from .secrets import is_loopback
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 USAGE_ERROR, FAILURE = 2, 1  # exit codes: the user's mistake, or something that failed at run time
 SCHEMES = ("tcp", "shm", "rdma")
@@ -351,8 +353,6 @@ def setup_logging(level: str, prog: str) -> None:
 
 def check_exposure(url: str, secret: Optional[bytes], insecure: bool, prog: str) -> None:
     """Refuse to listen where strangers can reach us without a secret (unless --insecure)."""
-    from .secrets import is_loopback
-
     if secret is None and not insecure and not is_loopback(url):
         raise UsageError(f"refusing to listen on {url} without a shared secret: strangers could reach it. "
                          "Give --secret-file (or MOE_SECRET_FILE), or --insecure if the network is trusted")
