@@ -21,6 +21,7 @@ from bench.answer_check import AnswerLog
 from bench.output import note
 from bench.placement_bench import analyse_run
 from bench.placement_timeline import PlacementTimeline
+from gateway.client import GatewayClient
 
 
 class AnswerHook:
@@ -39,10 +40,10 @@ class AnswerHook:
 
 class PlacementHook:
     def __init__(self, system: Any, pool: Any, clock: Any, t_run: float, args: Any) -> None:
-        from gateway.client import GatewayClient
-
         self.pool, self.t_run, self.args = pool, t_run, args
-        self.client = GatewayClient(system.url, timeout=5.0)
+        # the slots a gateway started here announces may exceed the client's default cap
+        self.client = GatewayClient(system.url, timeout=5.0,
+                                    max_peer_slot_size=getattr(system, "max_peer_slot_size", None))
         self.timeline = PlacementTimeline(lambda: self.client.placement("show", timeout=5.0), clock.now, t_run,
                                           period=args.placement_poll).start()
 
