@@ -51,6 +51,7 @@ from bench.chaos_settings import (D_FF, D_MODEL, MAX_BATCH, N_EXPERTS, TOP_K, ch
                                   rss_kb)
 from bench.chaos_updates import UpdateDriver, VersionBook
 from bench.versioned import VersionedReference
+from workers.flags import worker_argv
 
 
 # -- the cluster ---------------------------------------------------------------------------------
@@ -99,7 +100,6 @@ class Cluster:
         return open(path, "ab") if path else subprocess.DEVNULL
 
     def _spawn_worker(self, i: int, listen: str):
-        from workers.cli import worker_argv
 
         argv = worker_argv(listen, self.placement[i], d_model=D_MODEL, d_ff=D_FF, seed=self.args.seed,
                            max_tokens=MAX_BATCH * TOP_K)

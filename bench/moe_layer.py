@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from bench.systems import Multiprocessing
+from workers.flags import worker_argv
 
 FULL = dict(d_model=1024, d_ff=2048, batch=256)
 QUICK = dict(d_model=256, d_ff=512, batch=128)
@@ -84,7 +85,6 @@ class TransportSystem:
         from gateway.pool import WorkerPool
         from transport.service import secrets
         from transport.service.launch import blas_env, spawn_service
-        from workers.cli import worker_argv
         n_exp = router.n_experts
         self.procs: list = []
         self.pool = None

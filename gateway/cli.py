@@ -33,6 +33,7 @@ from gateway.update_cli import UPDATE_TIMEOUT, add_update_parser, update_main
 from transport.service import options
 from transport.service.launch import LISTENING
 from transport.service.options import UsageError
+from workers.flags import check_selection
 
 log = logging.getLogger("moe.gateway")
 PROG = "moe-gateway"  # (gateway.update_cli's too)
@@ -184,7 +185,6 @@ def validate(args: argparse.Namespace) -> None:
     if args.layers and not args.checkpoint:
         raise UsageError("--layers needs --checkpoint (demo weights are one layer)")
     if args.checkpoint and args.layers:
-        from workers.cli import check_selection
 
         check_selection(args.checkpoint, args.layers, None)
     if not args.checkpoint:

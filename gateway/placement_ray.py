@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from transport.service.backoff import Backoff
+from workers.flags import build_daemon, build_parser
 
 if TYPE_CHECKING:
     from gateway.pool import WorkerPool
@@ -198,7 +199,6 @@ class WorkerHost:
         from threadpoolctl import threadpool_limits
 
         from transport.service import options
-        from workers.cli import build_daemon, build_parser
 
         if node_ip is None:
             import ray
@@ -522,7 +522,6 @@ def ray_workers(args: argparse.Namespace, secret: Optional[bytes], layers: Optio
                         transport=args.ray_transport, worker_cpus=args.worker_cpus,
                         start_timeout=args.ray_start_timeout)
     n_experts, n_shared, _ = served_ids(args, layers)
-    from workers.cli import build_parser
 
     build_parser().parse_args(flags(0, [0]))  # bad worker flags fail here, not in every actor
     return RayWorkers(spec, flags, n_experts=n_experts, replicas=args.replicas, n_shared=n_shared, secret=secret,

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from transport.service.launch import blas_env, spawn_service, stop_process
-from workers.cli import worker_argv
+from workers.flags import worker_argv
 
 BACKENDS = ("tcp", "shm")
 _names = itertools.count()

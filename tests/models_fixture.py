@@ -97,7 +97,7 @@ def check_case(case_dir: Path, backend: str, timeout: float = 120.0) -> float:
     from gateway.supervisor import placement
     from tests.helpers_procs import Services, listen_url
     from workers.checkpoint import Checkpoint, model_spec
-    from workers.cli import worker_argv
+    from workers.flags import worker_argv
 
     meta = json.loads((case_dir / "case.json").read_text())
     dtype = meta["dtype"]

@@ -19,7 +19,7 @@ ROOT = __import__("os").path.dirname(__import__("os").path.dirname(__import__("o
 def commands() -> dict[str, argparse.ArgumentParser]:
     from gateway import cli as gcli
     from gateway.demo import build_parser as demo_parser
-    from workers.cli import build_parser as worker_parser
+    from workers.flags import build_parser as worker_parser
 
     out = {"moe-worker": worker_parser()}
     gw, _ = gcli.make_parser()

@@ -36,9 +36,9 @@ ACTION_ARGS = {"update start": START[1:], "update settle": SETTLE, "placement sa
 def parsers():
     from bench import cli as bench_cli
     from gateway import cli as gateway_cli
-    from workers import cli as worker_cli
+    from workers import flags as worker_flags
 
-    return gateway_cli.make_parser(), worker_cli.build_parser(), bench_cli.build_parser()
+    return gateway_cli.make_parser(), worker_flags.build_parser(), bench_cli.build_parser()
 
 
 def subparsers(p: argparse.ArgumentParser) -> dict:

@@ -23,7 +23,7 @@ from gateway.reference import ReferenceMoE
 from tests.helpers_fault import children, proc_state, steered_tokens
 from tests.helpers_procs import BACKENDS, Services, backend_problem, wait_until
 from workers import protocol as P
-from workers.cli import worker_argv
+from workers.flags import worker_argv
 
 D, F, E, K, SEED = 16, 32, 8, 2, 4
 TOL = dict(rtol=1e-4, atol=1e-5)

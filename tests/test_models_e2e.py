@@ -35,7 +35,7 @@ from gateway.torch_block import RemoteMoEBlock, replace_moe_blocks  # noqa: E402
 from tests import hf_models as hm  # noqa: E402
 from tests.helpers_procs import BACKENDS, Services, backend_problem, listen_url, wait_until  # noqa: E402
 from workers.checkpoint import Checkpoint, model_spec  # noqa: E402
-from workers.cli import worker_argv  # noqa: E402
+from workers.flags import worker_argv  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 torch.set_num_threads(1)

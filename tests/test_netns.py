@@ -12,7 +12,7 @@ import pytest
 
 from gateway.reference import ReferenceMoE
 from transport.service.launch import blas_env, spawn_service, stop_process
-from workers.cli import worker_argv
+from workers.flags import worker_argv
 
 D, F, E, K, SEED = 16, 32, 4, 2, 3
 pytestmark = pytest.mark.timeout(120)

@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers_procs import Service, Services
 from transport.service.launch import blas_env, spawn_service
-from workers.cli import worker_argv
+from workers.flags import worker_argv
 
 START_TIMEOUT = 120.0  # a Python start costs seconds under TCG, more with three at once
 
