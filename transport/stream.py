@@ -60,7 +60,8 @@ _WAITALL = socket.MSG_WAITALL
 _POLLIN, _POLLOUT = select.POLLIN, select.POLLOUT
 _PREFIX_SIZE = framing.PREFIX_SIZE
 _DATA, _CREDIT, _CLOSE = framing.DATA, framing.CREDIT, framing.CLOSE
-_IDLE_READ = 64 << 10  # read size when no payload is being received
+_IDLE_READ = 64 << 10  # a payload up to this size is read with its header into the read buffer
+_HEAD_ROOM = 1 << 10  # an idle read takes a prefix and a header beside such a payload
 _READ_AHEAD = 4 << 10  # after the rest of a payload: the next prefix + header (+ a bit)
 _monotonic = time.monotonic
 #: congestion control for a peer on this machine: loopback has no congestion, and the
@@ -130,7 +131,8 @@ class StreamConnection(StreamSender, CompiledPath, Connection):
         # read takes _rsize bytes
         self._rbuf = bytearray(_PREFIX_SIZE + max_header + _IDLE_READ)
         self._rview = memoryview(self._rbuf)
-        self._rsize = _IDLE_READ
+        self._idle = min(len(self._rbuf), _IDLE_READ + _HEAD_ROOM)
+        self._rsize = self._idle
         self._rpos = 0
         self._rend = 0
         # a payload being read straight into its slot: the rest of the slot, and the message
@@ -150,7 +152,8 @@ class StreamConnection(StreamSender, CompiledPath, Connection):
         tune_socket(sock, self._peer_here)
         if native is not False and _tcpfast is not None:
             self._link = _tcpfast.Link(self._fd, self._rbuf, recv_pool, self.send_pool, self.max_message,
-                                       self._max_payload, max_header, self._owe_flush, _IDLE_READ, _READ_AHEAD)
+                                       self._max_payload, max_header, self._owe_flush, self._idle, _READ_AHEAD,
+                                       _IDLE_READ)
 
     def _close_link(self) -> None:
         if self._link is not None:
@@ -253,7 +256,7 @@ class StreamConnection(StreamSender, CompiledPath, Connection):
             have = end - pstart
             if have >= plen:
                 if plen < _READ_AHEAD:
-                    self._rsize = _IDLE_READ  # small messages (again): read many at once
+                    self._rsize = self._idle  # small messages (again): read many at once
                 pos = pstart + plen
                 base[:plen] = rview[pstart:pos]
                 st = self._stats
@@ -463,6 +466,6 @@ class StreamConnection(StreamSender, CompiledPath, Connection):
 if _tcpfast is not None:
     _StreamMessage.release = _tcpfast.bind(_StreamMessage, Slot, StreamConnection, TransportError, Timeout,
                                            BROKEN, framing._packer.pack, framing._unpackb, framing.TAG_DATA,
-                                           framing.TAG_CREDIT)
+                                           framing.TAG_CREDIT, framing.PAD_MIN)
     StreamConnection.alloc, StreamConnection.send, StreamConnection.recv = \
         _tcpfast.connection_methods(StreamConnection)

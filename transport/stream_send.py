@@ -36,7 +36,7 @@ from typing import Any, Optional, Sequence
 from . import framing
 from .base import BROKEN
 from .errors import ConnectionClosed, Timeout
-from .pool import Slot
+from .pool import Slot, buffer_address
 from .timing import TCP_SEND_SLICE
 
 _IOV_MAX = 1024
@@ -144,16 +144,22 @@ class StreamSender:
                 self._wait_credits(end)
             owed = self._owed
             try:
-                head = _pack([header, lens, owed or None])
+                if total >= framing.PAD_MIN:  # credits, if owed, in a CREDIT frame before it
+                    views[0], head = framing.padded_frame_head(_pack(header), lens, total, owed,
+                                                               buffer_address(views[2]))
+                else:
+                    head = _pack([header, lens, owed or None])
+                    views[0] = None
             except (TypeError, ValueError, OverflowError) as e:
                 raise TypeError(f"header is not msgpack-serialisable: {e}") from None
             hlen = len(head)
             if hlen > self.max_header:
                 raise ValueError(f"header of {hlen} bytes exceeds the limit of {self.max_header}")
-            views[0] = _PREFIX.pack(_MAGIC, _VERSION, _DATA, hlen, total)
+            if views[0] is None:
+                views[0] = _PREFIX.pack(_MAGIC, _VERSION, _DATA, hlen, total)
             views[1] = head
             self._owed = 0
-            size = _PREFIX_SIZE + hlen + total
+            size = len(views[0]) + hlen + total
             try:
                 if self._out is not None:
                     raise BlockingIOError  # bytes accepted before go first: the slow path
@@ -199,9 +205,9 @@ class StreamSender:
 
     def _sent_part(self, prefix: bytes, head: bytes, slot: Slot, n: int, owed: int,
                    timeout: Optional[float]) -> None:
-        """The compiled send wrote ``n`` bytes of the frame [prefix, head, slot] (``owed``
-        credits in its header, already taken off ``_owed``): the rest as :meth:`_send_py`
-        does it."""
+        """The compiled send wrote ``n`` bytes of the frame [prefix, head, slot] (``prefix``
+        with the CREDIT frame before it, if any; ``owed`` credits carried, already taken off
+        ``_owed``): the rest as :meth:`_send_py` does it."""
         views = [prefix, head, slot.mem[: slot.nbytes]]
         kept = False
         try:
