@@ -22,6 +22,7 @@ import mmap
 import multiprocessing as mp
 import os
 import socket
+import struct
 import tempfile
 from typing import Any, Optional
 
@@ -32,12 +33,27 @@ CTRL_TIMEOUT = 120.0
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """``view`` filled from ``sock``: one MSG_WAITALL read, more only if a signal cut it."""
     got, n = 0, view.nbytes
     while got < n:
-        k = sock.recv_into(view[got:])
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         if k == 0:
             raise ConnectionError("peer closed")
         got += k
+
+
+def _raw_socket(sock: socket.socket) -> socket.socket:
+    """A raw socket tuned as well as ours: TCP_NODELAY, the socket options moe-transport's tcp
+    sets (transport.stream.tune_socket: no pacing to a peer on this machine), blocking with
+    the kernel's timeouts (a socket timeout would poll before every call)."""
+    from transport.stream import peer_is_here, tune_socket
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    tune_socket(sock, peer_is_here(sock))
+    sock.settimeout(None)
+    t = struct.pack("ll", int(CTRL_TIMEOUT), 0)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, t)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, t)
+    return sock
 
 
 def _check_echo(got: int, sent: int) -> None:
@@ -191,10 +207,10 @@ class MoeTransportPeer(Peer):
         super().__init__(max_size, **options)
         self.url = url
         self.backend = url.split("://", 1)[0]
-        # shm and rdma: native=False is the Python path of the fast record, a row of its own
-        # beside the compiled one (transport/_shmfast.c, _rdmafast.c), so the gain is a ratio
+        # native=False is the Python path of the common message, a row of its own beside the
+        # compiled one (transport/_shmfast.c, _rdmafast.c, _tcpfast.c), so the gain is a ratio
         # of one run
-        self._conn_opts = {} if self.backend not in ("shm", "rdma") or native is None else {"native": native}
+        self._conn_opts = {} if native is None else {"native": native}
         if native is False:
             self.impl, self.label = "moe-transport-py", "moe-transport, Python"
         self.descriptor_moves_bytes = self.backend != "shm"  # shm passes the slot, never its bytes
@@ -296,7 +312,8 @@ class MoeTransportPeer(Peer):
 
 
 class RawTcpPeer(Peer):
-    """A plain socket with TCP_NODELAY; recv_into a preallocated buffer."""
+    """A plain socket, the best a Python program does with one (:func:`_raw_socket`): one
+    ``sendall`` and one ``recv_into(MSG_WAITALL)`` per message, into a preallocated buffer."""
 
     impl, backend, label = "raw", "tcp", "raw socket"
 
@@ -309,8 +326,8 @@ class RawTcpPeer(Peer):
 
     def _s(self):
         if not hasattr(self, "_sock"):
-            self._sock, _ = self._lsock.accept()
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock, _ = self._lsock.accept()
+            self._sock = _raw_socket(sock)
         return self._sock
 
     def serve_echo(self, size, n, data):
@@ -332,16 +349,14 @@ class RawTcpPeer(Peer):
         else:
             left = size * n
             while left:
-                k = s.recv_into(self._buf, min(left, self.max_size))
-                if k == 0:
-                    raise ConnectionError("peer closed")
+                k = min(left, self.max_size)
+                _recv_exact(s, self._buf[:k])
                 left -= k
         s.sendall(b"k")
 
     def client_setup(self, port):
         self._lsock.close()
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=60)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = _raw_socket(socket.create_connection(("127.0.0.1", port), timeout=60))
         self.buf = memoryview(bytearray(self.max_size))
 
     def ping(self, size):
