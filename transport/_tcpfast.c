@@ -37,7 +37,7 @@ static long long pad_min;  /* framing.PAD_MIN */
 static PyMemberDef *m_state, *m_credits, *m_owed, *m_rpos, *m_rend, *m_want, *m_out, *m_inbox, *m_rcvtimeo,
     *m_rsize, *m_link;
 static PyObject *s_alloc_py, *s_send_py, *s_recv_py, *s_sent_part, *s_parse_rest, *s_to_peer_gone,
-    *s_send_control, *s_release_message, *s_release_failed, *s_popleft, *s_default_timeout, *s_cur;
+    *s_send_control, *s_release_message, *s_release_failed, *s_popleft, *s_default_timeout, *s_cur, *s_timeout;
 
 typedef struct {
     PyObject_HEAD
@@ -405,8 +405,8 @@ fast_send(Link *link, PyObject *conn, PyObject *header, PyObject *buffers, PyObj
     r = is_none(conn, m_out);  /* bytes pending go first: the Python path */
     if (r <= 0)
         return r;
-    long long credits, owed, nbytes;
-    Py_ssize_t index;
+    long long credits, owed, nbytes = 0;
+    Py_ssize_t index = 0;
     if ((r = get_ll(conn, m_credits, &credits)) != 0 || (r = get_ll(conn, m_owed, &owed)) != 0)
         return r < 0 ? -1 : 0;
     if (credits <= 0 || owed < 0)
@@ -631,14 +631,15 @@ deliver(Link *link, PyObject *conn, PyObject *user, size_t pstart, unsigned long
     return msg;
 }
 
-/* The DATA frame at ``rbuf[pstart:n]`` whose payload of ``plen`` has not all arrived, for a
- * caller that waits: what did arrive copied into a slot, the rest read straight into it
- * with one MSG_WAITALL read (SO_RCVTIMEO is the caller's timeout). NULL with an error;
- * Py_None (borrowed) when no slot is free, or when the read stopped short (the timeout, a
- * signal, the peer gone) -- then the payload in progress is left as the Python path keeps
- * one (_want, _cur) and the connection's state says what happened; else the message. */
+/* The DATA frame at ``rbuf[pstart:n]`` whose payload of ``plen`` has not all arrived: what
+ * did arrive copied into a slot, and for a caller that waits (``wait``) the rest read
+ * straight into it with one MSG_WAITALL read (SO_RCVTIMEO is the caller's timeout). NULL
+ * with an error; Py_None (borrowed) when no slot is free, or when the payload is not all
+ * here (no wait; or the read stopped short: the timeout, a signal, the peer gone) -- then
+ * it is left in progress as the Python path keeps one (_want, _cur) and the connection's
+ * state says what happened; else the message. */
 static PyObject *
-read_rest(Link *link, PyObject *conn, PyObject *user, size_t pstart, size_t n, unsigned long long plen)
+read_rest(Link *link, PyObject *conn, PyObject *user, size_t pstart, size_t n, unsigned long long plen, int wait)
 {
     PyObject *slot;
     unsigned long long base;
@@ -653,11 +654,14 @@ read_rest(Link *link, PyObject *conn, PyObject *user, size_t pstart, size_t n, u
         Py_DECREF(slot);  /* (taken, not given back: the connection is failing anyway) */
         return NULL;
     }
-    ssize_t got;
-    Py_BEGIN_ALLOW_THREADS
-    got = recv(link->fd, dst + have, want, MSG_WAITALL);
-    Py_END_ALLOW_THREADS
-    int err = errno;
+    ssize_t got = 0;
+    int err = 0;
+    if (wait) {
+        Py_BEGIN_ALLOW_THREADS
+        got = recv(link->fd, dst + have, want, MSG_WAITALL);
+        Py_END_ALLOW_THREADS
+        err = errno;
+    }
     if (got == (ssize_t)want) {
         PyObject *msg = slot_message(link, conn, user, slot, base, plen);
         Py_DECREF(slot);
@@ -690,11 +694,11 @@ read_rest(Link *link, PyObject *conn, PyObject *user, size_t pstart, size_t n, u
     return Py_None;
 }
 
-/* Parse ``rbuf[0:n]`` (the first read into an empty buffer): the messages of its complete
- * one-buffer DATA frames in order (the first in ``*first``, the others appended to the
- * inbox) and its CREDIT frames, and, for a caller that waits (``wait``), a one-buffer DATA
- * frame that began arriving (read_rest); what follows -- anything else -- handed to
- * _parse_rest. 0, or -1 with an error set. */
+/* Parse ``rbuf[0:n]`` (a read into an empty buffer): the messages of its complete one-buffer
+ * DATA frames in order (the first in ``*first``, the others appended to the inbox), its
+ * CREDIT frames, and a one-buffer DATA frame that began arriving (read_rest: read whole for
+ * a caller that waits, ``wait``); what follows -- anything else -- handed to _parse_rest.
+ * 0, or -1 with an error set. */
 static int
 parse_read(Link *link, PyObject *conn, PyObject *inbox, size_t n, int wait, long long rsize, PyObject **first)
 {
@@ -713,9 +717,9 @@ parse_read(Link *link, PyObject *conn, PyObject *inbox, size_t n, int wait, long
             || plen > (uint64_t)link->max_payload)
             break;
         size_t pstart = pos + PREFIX_SIZE + hlen;
-        int whole = pstart <= n && plen <= n - pstart;
-        if (pstart > n || !(whole || wait))
-            break;  /* the Python path reads the rest into the slot */
+        if (pstart > n)
+            break;  /* the header is not all here: the Python path keeps the frame's start */
+        int whole = plen <= n - pstart;
         PyObject *user;
         unsigned long long c;
         int r = parse_header(buf + pos + PREFIX_SIZE, hlen, plen, &user, &c);
@@ -723,7 +727,8 @@ parse_read(Link *link, PyObject *conn, PyObject *inbox, size_t n, int wait, long
             return -1;
         if (r == 0)
             break;
-        PyObject *msg = whole ? deliver(link, conn, user, pstart, plen) : read_rest(link, conn, user, pstart, n, plen);
+        PyObject *msg = whole ? deliver(link, conn, user, pstart, plen)
+                              : read_rest(link, conn, user, pstart, n, plen, wait);
         Py_DECREF(user);
         if (msg == NULL)
             return -1;
@@ -776,19 +781,18 @@ parse_read(Link *link, PyObject *conn, PyObject *inbox, size_t n, int wait, long
     return 0;
 }
 
-/* Whether a receive can take the common case: nothing queued, pending or in progress, an
- * empty read buffer, a finite timeout. 1 with the wait ``*t``, whether credits are owed and
- * the read size and SO_RCVTIMEO as they are; 0 to decline; -1 error. */
+/* Whether a receive can take the common case: nothing queued or pending, the read buffer
+ * empty, a finite timeout; a payload in progress (``*want``, a new reference) or none.
+ * 1 with the wait ``*t``, the credits owed, the read size and SO_RCVTIMEO as they are; 0 to
+ * decline; -1 error. */
 static int
 recv_ready(Link *link, PyObject *conn, PyObject *timeout, double *t, long long *owed, long long *rsize,
-           double *rcvtimeo)
+           double *rcvtimeo, PyObject **want)
 {
     long long rend;
     int r = conn_open(conn);
     if (r > 0)
         r = is_none(conn, m_out);
-    if (r > 0)
-        r = is_none(conn, m_want);
     if (r <= 0)
         return r;
     int g;
@@ -817,6 +821,15 @@ recv_ready(Link *link, PyObject *conn, PyObject *timeout, double *t, long long *
     Py_DECREF(rt);
     if (*rsize <= 0 || *rsize > link->idle_read)
         *rsize = link->idle_read;
+    *want = PyMember_GetOne((char *)conn, m_want);
+    if (*want == NULL)
+        return -1;
+    if (*want == Py_None)
+        Py_CLEAR(*want);
+    else if (!PyMemoryView_Check(*want)) {
+        Py_CLEAR(*want);
+        return 0;
+    }
     return 1;
 }
 
@@ -860,10 +873,125 @@ read_failed(PyObject *conn, ssize_t n, int err, double t)
     return 0;
 }
 
-/* StreamConnection._recv_py's common case: one read into the empty read buffer. A message;
- * Py_None (a new reference) when it hands over -- the Python path goes on with the
- * caller's timeout (``*left`` < 0: nothing was waited for) or ``*left`` seconds of it;
- * NULL with an error set (Timeout included). */
+/* A read that brought no message: Timeout for a caller that does not wait, as the Python
+ * path raises it (a connection no longer OPEN goes there, to say why); else Py_None with
+ * the time left for the Python path to wait */
+static PyObject *
+no_message(PyObject *conn, double t, double end, double *left)
+{
+    *left = end - monotonic();
+    if (*left < 0)
+        *left = 0;
+    if (t <= 0) {
+        int open = conn_open(conn);
+        if (open <= 0)
+            return open < 0 ? NULL : Py_NewRef(Py_None);
+        PyErr_SetString(timeout_error, "timed out waiting for a message");
+        return NULL;
+    }
+    return Py_NewRef(Py_None);
+}
+
+/* A message whose members are set directly, its buffers the list ``bufs`` (steals nothing) */
+static PyObject *
+message_of(PyObject *user, PyObject *bufs, PyObject *conn, PyObject *token)
+{
+    PyObject *msg = fp.msg_type->tp_alloc(fp.msg_type, 0);
+    if (msg == NULL || PyMember_SetOne((char *)msg, fp.header, user) < 0
+        || PyMember_SetOne((char *)msg, fp.buffers, bufs) < 0 || PyMember_SetOne((char *)msg, fp.released, Py_False) < 0
+        || PyMember_SetOne((char *)msg, fp.conn, conn) < 0 || PyMember_SetOne((char *)msg, fp.token, token) < 0)
+        Py_CLEAR(msg);
+    return msg;
+}
+
+/* The payload in progress finished (``_cur``, what _parse_frames left): its message, _want and
+ * _cur cleared. NULL with an error; Py_None (borrowed) if _cur is not what it should be. */
+static PyObject *
+finish_payload(Link *link, PyObject *conn)
+{
+    PyObject *cur = PyObject_GetAttr(conn, s_cur);
+    if (cur == NULL)
+        return NULL;
+    PyObject *msg = Py_None;
+    if (PyTuple_CheckExact(cur) && PyTuple_GET_SIZE(cur) == 3 && PyList_CheckExact(PyTuple_GET_ITEM(cur, 1))) {
+        PyObject *slot = PyTuple_GET_ITEM(cur, 2);
+        PyObject *nb = Py_IS_TYPE(slot, fp.slot_type) ? PyMember_GetOne((char *)slot, fp.nbytes) : NULL;
+        unsigned long long k = nb ? PyLong_AsUnsignedLongLong(nb) : 0;
+        Py_XDECREF(nb);
+        if (PyErr_Occurred())
+            PyErr_Clear();
+        else if (nb != NULL)
+            msg = message_of(PyTuple_GET_ITEM(cur, 0), PyTuple_GET_ITEM(cur, 1), conn, slot);
+        if (msg != NULL && msg != Py_None) {
+            if (PyMember_SetOne((char *)conn, m_want, Py_None) < 0 || PyObject_SetAttr(conn, s_cur, Py_None) < 0) {
+                Py_DECREF(msg);
+                msg = NULL;
+            } else {
+                link->msgs_in += 1;
+                link->bytes_in += k;
+            }
+        }
+    }
+    Py_DECREF(cur);
+    return msg;
+}
+
+/* One read of a payload in progress (the view ``want`` of its slot): a caller that waits
+ * reads all of it with MSG_WAITALL, one that does not reads what is there, with the next
+ * frames' start behind it into the read buffer. Returns as fast_recv does. */
+static PyObject *
+read_want(Link *link, PyObject *conn, PyObject *inbox, PyObject *want, int wait, double t, double end,
+          double *left)
+{
+    Py_buffer wb;
+    if (PyObject_GetBuffer(want, &wb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception))
+            return NULL;
+        PyErr_Clear();
+        return Py_NewRef(Py_None);
+    }
+    size_t k = (size_t)wb.len;
+    ssize_t n;
+    if (wait) {
+        Py_BEGIN_ALLOW_THREADS
+        n = recv(link->fd, wb.buf, k, MSG_WAITALL);
+        Py_END_ALLOW_THREADS
+    } else {
+        struct iovec iov[2] = {{wb.buf, k}, {link->rbuf.buf, (size_t)link->read_ahead}};
+        struct msghdr mh = {0};
+        mh.msg_iov = iov;
+        mh.msg_iovlen = 2;
+        n = recvmsg(link->fd, &mh, MSG_DONTWAIT);
+    }
+    int err = errno;
+    PyBuffer_Release(&wb);
+    if (n <= 0) {
+        if (read_failed(conn, n, err, t) < 0)
+            return NULL;
+    } else if ((size_t)n < k) {  /* more to come */
+        PyObject *rest = fp_slice(want, (unsigned long long)n, k);
+        int e = rest == NULL || PyMember_SetOne((char *)conn, m_want, rest) < 0;
+        Py_XDECREF(rest);
+        if (e)
+            return NULL;
+    } else {
+        PyObject *msg = finish_payload(link, conn);
+        if (msg == NULL || msg == Py_None)
+            return msg == NULL ? NULL : Py_NewRef(Py_None);  /* (nothing consumed: cannot happen) */
+        PyObject *first = msg;
+        if ((size_t)n > k && parse_read(link, conn, inbox, (size_t)n - k, 0, link->read_ahead, &first) < 0) {
+            Py_DECREF(msg);
+            return NULL;
+        }
+        return msg;
+    }
+    return no_message(conn, t, end, left);
+}
+
+/* StreamConnection._recv_py's common case: one read into the empty read buffer, or into the
+ * payload in progress. A message; Py_None (a new reference) when it hands over -- the
+ * Python path goes on with the caller's timeout (``*left`` < 0: nothing was waited for) or
+ * ``*left`` seconds of it; NULL with an error set (Timeout included). */
 static PyObject *
 fast_recv(Link *link, PyObject *conn, PyObject *timeout, double *left)
 {
@@ -879,21 +1007,26 @@ fast_recv(Link *link, PyObject *conn, PyObject *timeout, double *left)
     }
     double t = 0, rcvtimeo = -1;
     long long owed = 0, rsize = 0;
-    int r = recv_ready(link, conn, timeout, &t, &owed, &rsize, &rcvtimeo);
-    int flags = MSG_DONTWAIT;  /* owed credits: the Python path sends them before it waits */
-    if (r > 0 && t > 0 && owed == 0) {
-        flags = 0;
-        if (!(t * 0.5 <= rcvtimeo && rcvtimeo <= t))
-            r = set_rcvtimeo(link, conn, t) == 0 ? 1 : PyErr_Occurred() ? -1 : 0;
-    }
+    PyObject *want = NULL;
+    int r = recv_ready(link, conn, timeout, &t, &owed, &rsize, &rcvtimeo, &want);
+    int wait = r > 0 && t > 0 && owed == 0;  /* owed credits: the Python path sends them before it waits */
+    if (wait && !(t * 0.5 <= rcvtimeo && rcvtimeo <= t))
+        r = set_rcvtimeo(link, conn, t) == 0 ? 1 : PyErr_Occurred() ? -1 : 0;
     if (r <= 0) {
+        Py_XDECREF(want);
         Py_DECREF(inbox);
         return r < 0 ? NULL : Py_NewRef(Py_None);
     }
     double end = monotonic() + t;
+    if (want != NULL) {
+        PyObject *m = read_want(link, conn, inbox, want, wait, t, end, left);
+        Py_DECREF(want);
+        Py_DECREF(inbox);
+        return m;
+    }
     ssize_t n;
-    if (flags) {
-        n = recv(link->fd, link->rbuf.buf, (size_t)rsize, flags);
+    if (!wait) {
+        n = recv(link->fd, link->rbuf.buf, (size_t)rsize, MSG_DONTWAIT);
     } else {
         Py_BEGIN_ALLOW_THREADS
         n = recv(link->fd, link->rbuf.buf, (size_t)rsize, 0);
@@ -903,7 +1036,7 @@ fast_recv(Link *link, PyObject *conn, PyObject *timeout, double *left)
     if (n <= 0) {
         r = read_failed(conn, n, errno, t);
     } else {
-        r = parse_read(link, conn, inbox, (size_t)n, flags == 0, rsize, &first);
+        r = parse_read(link, conn, inbox, (size_t)n, wait, rsize, &first);
         if (r == 0 && first == NULL && PyObject_Size(inbox) > 0)
             first = PyObject_CallMethodNoArgs(inbox, s_popleft);
     }
@@ -913,19 +1046,30 @@ fast_recv(Link *link, PyObject *conn, PyObject *timeout, double *left)
             Py_CLEAR(first);
         return first;
     }
-    *left = end - monotonic();
-    if (*left < 0)
-        *left = 0;
-    return Py_NewRef(Py_None);
+    return no_message(conn, t, end, left);
 }
 
 /* -- the connection's methods ------------------------------------------------------------ */
 
+/* The ``timeout`` of a call whose other arguments are its first ``npos`` positional ones
+ * (borrowed; None when not given); NULL (no error set) for any other form of call */
+static PyObject *
+timeout_arg(PyObject *const *args, size_t nargsf, PyObject *kwnames, Py_ssize_t npos)
+{
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (kwnames == NULL)
+        return n == npos ? Py_None : n == npos + 1 ? args[npos] : NULL;
+    if (n != npos || PyTuple_GET_SIZE(kwnames) != 1)
+        return NULL;
+    PyObject *name = PyTuple_GET_ITEM(kwnames, 0);
+    return name == s_timeout || PyUnicode_Compare(name, s_timeout) == 0 ? args[n] : NULL;
+}
+
 static PyObject *
 conn_alloc(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
-    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
-    Link *link = kwnames == NULL && n >= 1 && n <= 2 && PyLong_CheckExact(args[0]) ? link_of(conn) : NULL;
+    PyObject *timeout = timeout_arg(args, nargsf, kwnames, 1);
+    Link *link = timeout != NULL && PyLong_CheckExact(args[0]) ? link_of(conn) : NULL;
     if (link != NULL) {
         int open = conn_open(conn);
         if (open < 0)
@@ -946,10 +1090,10 @@ conn_alloc(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwnam
 static PyObject *
 conn_send(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
-    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
-    Link *link = kwnames == NULL && n >= 2 && n <= 3 ? link_of(conn) : NULL;
+    PyObject *timeout = timeout_arg(args, nargsf, kwnames, 2);
+    Link *link = timeout != NULL ? link_of(conn) : NULL;
     if (link != NULL) {
-        int r = fast_send(link, conn, args[0], args[1], n == 3 ? args[2] : Py_None);
+        int r = fast_send(link, conn, args[0], args[1], timeout);
         if (r < 0)
             return NULL;
         if (r > 0)
@@ -961,12 +1105,12 @@ conn_send(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwname
 static PyObject *
 conn_recv(PyObject *conn, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
-    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
-    Link *link = kwnames == NULL && n <= 1 ? link_of(conn) : NULL;
+    PyObject *timeout = timeout_arg(args, nargsf, kwnames, 0);
+    Link *link = timeout != NULL ? link_of(conn) : NULL;
     if (link == NULL)
         return fp_delegate(conn, s_recv_py, args, nargsf, kwnames);
     double left;
-    PyObject *m = fast_recv(link, conn, n == 1 ? args[0] : Py_None, &left);
+    PyObject *m = fast_recv(link, conn, timeout, &left);
     if (m != Py_None)
         return m;  /* a message, or an error */
     Py_DECREF(m);
@@ -1152,7 +1296,7 @@ PyInit__tcpfast(void)
                  {&s_sent_part, "_sent_part"}, {&s_parse_rest, "_parse_rest"}, {&s_to_peer_gone, "_to_peer_gone"},
                  {&s_send_control, "_send_control"}, {&s_release_message, "_release_message"},
                  {&s_release_failed, "_release_failed"}, {&s_popleft, "popleft"},
-                 {&s_default_timeout, "default_timeout"}, {&s_cur, "_cur"}};
+                 {&s_default_timeout, "default_timeout"}, {&s_cur, "_cur"}, {&s_timeout, "timeout"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if ((*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL)
             return NULL;
