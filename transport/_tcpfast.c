@@ -848,19 +848,13 @@ set_rcvtimeo(Link *link, PyObject *conn, double t)
     return e;
 }
 
-/* After a read that brought nothing: Timeout for a caller that does not wait, the state
- * for a peer that is gone (the Python path then delivers what had arrived and says so);
- * 0 to hand over to the Python path, -1 error */
+/* After a read that brought nothing: a signal's handler run, the state for a peer that is
+ * gone (the Python path then delivers what had arrived and says so); 0, or -1 error */
 static int
-read_failed(PyObject *conn, ssize_t n, int err, double t)
+read_failed(PyObject *conn, ssize_t n, int err)
 {
-    if (n < 0 && (err == EAGAIN || err == EWOULDBLOCK)) {
-        if (t <= 0) {
-            PyErr_SetString(timeout_error, "timed out waiting for a message");
-            return -1;
-        }
+    if (n < 0 && (err == EAGAIN || err == EWOULDBLOCK))
         return 0;
-    }
     if (n < 0 && err == EINTR)
         return PyErr_CheckSignals();
     PyObject *why = n == 0 ? PyUnicode_FromString("peer closed the connection")
@@ -938,18 +932,14 @@ finish_payload(Link *link, PyObject *conn)
 
 /* One read of a payload in progress (the view ``want`` of its slot): a caller that waits
  * reads all of it with MSG_WAITALL, one that does not reads what is there, with the next
- * frames' start behind it into the read buffer. Returns as fast_recv does. */
+ * frames' start behind it into the read buffer. A message; Py_None (a new reference) for
+ * none; NULL with an error set. */
 static PyObject *
-read_want(Link *link, PyObject *conn, PyObject *inbox, PyObject *want, int wait, double t, double end,
-          double *left)
+read_want(Link *link, PyObject *conn, PyObject *inbox, PyObject *want, int wait)
 {
     Py_buffer wb;
-    if (PyObject_GetBuffer(want, &wb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-        if (!PyErr_ExceptionMatches(PyExc_Exception))
-            return NULL;
-        PyErr_Clear();
-        return Py_NewRef(Py_None);
-    }
+    if (PyObject_GetBuffer(want, &wb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;  /* (a slice of a slot: cannot happen) */
     size_t k = (size_t)wb.len;
     ssize_t n;
     if (wait) {
@@ -965,27 +955,76 @@ read_want(Link *link, PyObject *conn, PyObject *inbox, PyObject *want, int wait,
     }
     int err = errno;
     PyBuffer_Release(&wb);
-    if (n <= 0) {
-        if (read_failed(conn, n, err, t) < 0)
-            return NULL;
-    } else if ((size_t)n < k) {  /* more to come */
+    if (n <= 0)
+        return read_failed(conn, n, err) < 0 ? NULL : Py_NewRef(Py_None);
+    if ((size_t)n < k) {  /* more to come */
         PyObject *rest = fp_slice(want, (unsigned long long)n, k);
         int e = rest == NULL || PyMember_SetOne((char *)conn, m_want, rest) < 0;
         Py_XDECREF(rest);
-        if (e)
-            return NULL;
-    } else {
-        PyObject *msg = finish_payload(link, conn);
-        if (msg == NULL || msg == Py_None)
-            return msg == NULL ? NULL : Py_NewRef(Py_None);  /* (nothing consumed: cannot happen) */
-        PyObject *first = msg;
-        if ((size_t)n > k && parse_read(link, conn, inbox, (size_t)n - k, 0, link->read_ahead, &first) < 0) {
-            Py_DECREF(msg);
-            return NULL;
-        }
-        return msg;
+        return e ? NULL : Py_NewRef(Py_None);
     }
-    return no_message(conn, t, end, left);
+    PyObject *msg = finish_payload(link, conn);
+    if (msg == NULL || msg == Py_None) {
+        if (msg == Py_None)
+            PyErr_SetString(PyExc_RuntimeError, "a payload in progress without its message (_cur)");
+        return NULL;
+    }
+    PyObject *first = msg;
+    if ((size_t)n > k && parse_read(link, conn, inbox, (size_t)n - k, 0, link->read_ahead, &first) < 0) {
+        Py_DECREF(msg);
+        return NULL;
+    }
+    return msg;
+}
+
+/* One read into the empty read buffer (blocking up to SO_RCVTIMEO for a caller that waits)
+ * and what it brought parsed. As read_want returns. */
+static PyObject *
+read_fresh(Link *link, PyObject *conn, PyObject *inbox, int wait, long long rsize)
+{
+    ssize_t n;
+    if (!wait) {
+        n = recv(link->fd, link->rbuf.buf, (size_t)rsize, MSG_DONTWAIT);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        n = recv(link->fd, link->rbuf.buf, (size_t)rsize, 0);
+        Py_END_ALLOW_THREADS
+    }
+    if (n <= 0)
+        return read_failed(conn, n, errno) < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *first = NULL;
+    if (parse_read(link, conn, inbox, (size_t)n, wait, rsize, &first) < 0) {
+        Py_XDECREF(first);
+        return NULL;
+    }
+    if (first == NULL && PyObject_Size(inbox) > 0)
+        first = PyObject_CallMethodNoArgs(inbox, s_popleft);
+    return first != NULL || PyErr_Occurred() ? first : Py_NewRef(Py_None);
+}
+
+/* The read of a caller that waits but owed credits: they go first (what the Python path
+ * does before it waits; the kernel takes a CREDIT frame at once unless the peer stopped
+ * reading, and then the Python path waits for that too), then the wait, until ``end``. */
+static PyObject *
+credits_then_wait(Link *link, PyObject *conn, PyObject *inbox, double end)
+{
+    PyObject *r = PyObject_CallMethodNoArgs(conn, s_send_control);
+    if (r == NULL)
+        return NULL;
+    Py_DECREF(r);
+    double t = 0, rcvtimeo = -1;
+    long long owed = 0, rsize = 0;
+    PyObject *want = NULL;
+    int ok = recv_ready(link, conn, Py_None, &t, &owed, &rsize, &rcvtimeo, &want);
+    t = end - monotonic();
+    if (ok > 0 && (owed != 0 || t <= 0))
+        ok = 0;
+    if (ok > 0 && !(t * 0.5 <= rcvtimeo && rcvtimeo <= t))
+        ok = set_rcvtimeo(link, conn, t) == 0 ? 1 : PyErr_Occurred() ? -1 : 0;
+    PyObject *m = ok < 0 ? NULL : ok == 0 ? Py_NewRef(Py_None)
+                                          : want ? read_want(link, conn, inbox, want, 1) : read_fresh(link, conn, inbox, 1, rsize);
+    Py_XDECREF(want);
+    return m;
 }
 
 /* StreamConnection._recv_py's common case: one read into the empty read buffer, or into the
@@ -1009,7 +1048,7 @@ fast_recv(Link *link, PyObject *conn, PyObject *timeout, double *left)
     long long owed = 0, rsize = 0;
     PyObject *want = NULL;
     int r = recv_ready(link, conn, timeout, &t, &owed, &rsize, &rcvtimeo, &want);
-    int wait = r > 0 && t > 0 && owed == 0;  /* owed credits: the Python path sends them before it waits */
+    int wait = r > 0 && t > 0 && owed == 0;  /* owed credits: sent before waiting, below */
     if (wait && !(t * 0.5 <= rcvtimeo && rcvtimeo <= t))
         r = set_rcvtimeo(link, conn, t) == 0 ? 1 : PyErr_Occurred() ? -1 : 0;
     if (r <= 0) {
@@ -1018,34 +1057,17 @@ fast_recv(Link *link, PyObject *conn, PyObject *timeout, double *left)
         return r < 0 ? NULL : Py_NewRef(Py_None);
     }
     double end = monotonic() + t;
-    if (want != NULL) {
-        PyObject *m = read_want(link, conn, inbox, want, wait, t, end, left);
-        Py_DECREF(want);
-        Py_DECREF(inbox);
-        return m;
-    }
-    ssize_t n;
-    if (!wait) {
-        n = recv(link->fd, link->rbuf.buf, (size_t)rsize, MSG_DONTWAIT);
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        n = recv(link->fd, link->rbuf.buf, (size_t)rsize, 0);
-        Py_END_ALLOW_THREADS
-    }
-    PyObject *first = NULL;
-    if (n <= 0) {
-        r = read_failed(conn, n, errno, t);
-    } else {
-        r = parse_read(link, conn, inbox, (size_t)n, wait, rsize, &first);
-        if (r == 0 && first == NULL && PyObject_Size(inbox) > 0)
-            first = PyObject_CallMethodNoArgs(inbox, s_popleft);
+    PyObject *m = want ? read_want(link, conn, inbox, want, wait) : read_fresh(link, conn, inbox, wait, rsize);
+    Py_XDECREF(want);
+    if (m == Py_None && !wait && t > 0) {  /* nothing yet, and credits owed */
+        int open = conn_open(conn);
+        Py_DECREF(m);
+        m = open < 0 ? NULL : open ? credits_then_wait(link, conn, inbox, end) : Py_NewRef(Py_None);
     }
     Py_DECREF(inbox);
-    if (r < 0 || first != NULL || PyErr_Occurred()) {
-        if (r < 0 || PyErr_Occurred())
-            Py_CLEAR(first);
-        return first;
-    }
+    if (m != Py_None)
+        return m;
+    Py_DECREF(m);
     return no_message(conn, t, end, left);
 }
 
