@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import peers, perftest, report
+from . import floors, peers, perftest, report
 from .provenance import provenance, write_json_atomic
 from .stats import min_samples
 
@@ -234,7 +234,7 @@ def _make_peers(backend, max_size, with_peers, slot_size, server_cpu, server_dev
         if built:  # else both rows would be the Python path
             others.append(peers.MoeTransportPeer(max_size, _url(backend, server_device), slot_size=slot_size, native=False,
                                                  server_cpu=server_cpu))
-    floor = {"tcp": peers.RawTcpPeer, "shm": peers.ShmFloorPeer, "rdma": peers.RdmaFloorPeer}[backend]
+    floor = {"tcp": peers.RawTcpPeer, "shm": floors.ShmFloorPeer, "rdma": floors.RdmaFloorPeer}[backend]
     others.append(floor(max_size, server_cpu=server_cpu))
     try:
         import zmq  # noqa: F401
