@@ -6,13 +6,16 @@
  * StreamConnection attributes in its __slots__, which both paths read and write). Anything
  * else it hands over untouched: a send it does not take (several buffers, no credits, bytes
  * still pending, an error or a full socket) goes to ``_send_py`` with nothing written; a frame
- * the kernel took only part of goes to ``_sent_part`` to finish; a receive with anything
- * pending or in progress goes to ``_recv_py``, and of what one read brought it parses only
- * complete one-buffer DATA frames and CREDIT frames, leaving the rest of the read buffer --
- * a large payload's start, a partial frame, anything malformed -- to ``_parse_rest``. So it
- * never raises a protocol error itself, never reads past what the kernel wrote into the read
- * buffer, and never allocates from a size the peer announced (a payload goes into a slot of
- * the receive pool after it is checked against the slot size and the bytes that arrived).
+ * the kernel took only part of goes to ``_sent_part`` to finish; a receive with bytes of ours
+ * pending, a partial frame in the read buffer or an odd timeout goes to ``_recv_py``. Of what
+ * a read brought it parses complete one-buffer DATA frames and CREDIT frames, and starts a
+ * one-buffer DATA frame whose payload has not all arrived (its slot taken, what came copied,
+ * the rest read straight into the slot: at once for a caller that waits, by later calls
+ * otherwise, as _want/_cur); the rest of the read buffer -- a partial header, anything else,
+ * anything malformed -- goes to ``_parse_rest``. So it never raises a protocol error itself,
+ * never reads past what the kernel wrote into the read buffer, and never allocates from a
+ * size the peer announced (a payload goes into a slot of the receive pool once it is checked
+ * against the slot size).
  */
 #include "_fastpath.h"
 #include <errno.h>
@@ -26,6 +29,7 @@
 #define PREFIX_SIZE 16
 #define MAX_FAST_FRAME 1024        /* prefix + header built on the stack; larger: the Python path */
 #define UNLOCK_MIN (64 * 1024)     /* sends of at least this many bytes release the GIL */
+#define MAX_CREDITS (1ULL << 40)   /* a credit count past this (no peer has so many slots) goes to Python */
 
 static FastPath fp;
 static PyTypeObject *conn_type;
@@ -236,7 +240,7 @@ empty_header(const unsigned char *h, size_t hlen, unsigned long long plen, unsig
         return 1;
     }
     k = get_uint(p, end, &n);
-    if (k == 0 || p + k != end)
+    if (k == 0 || p + k != end || n > MAX_CREDITS)
         return 0;
     *credits = n;
     return 1;
@@ -557,8 +561,8 @@ parse_header(const unsigned char *h, size_t hlen, unsigned long long plen, PyObj
         if (ok && PyLong_CheckExact(extra)) {  /* credits piggybacked; anything else is ignored */
             int overflow;
             long long c = PyLong_AsLongLongAndOverflow(extra, &overflow);
-            if (overflow || (c == -1 && PyErr_Occurred()))
-                ok = 0;  /* a count past long long: the Python path adds it */
+            if (overflow || (c == -1 && PyErr_Occurred()) || c > (long long)MAX_CREDITS)
+                ok = 0;  /* an absurd count: the Python path adds it */
             else if (c > 0)
                 *credits = (unsigned long long)c;
             PyErr_Clear();
@@ -708,7 +712,7 @@ parse_read(Link *link, PyObject *conn, PyObject *inbox, size_t n, int wait, long
     while (n - pos >= PREFIX_SIZE) {
         uint32_t tag = (uint32_t)get_le(buf + pos, 4), hlen = (uint32_t)get_le(buf + pos + 4, 4);
         uint64_t plen = get_le(buf + pos + 8, 8);
-        if (tag == tag_credit && hlen == 0 && plen <= (1ULL << 40)) {
+        if (tag == tag_credit && hlen == 0 && plen <= MAX_CREDITS) {
             credits += plen;
             pos += PREFIX_SIZE;
             continue;
