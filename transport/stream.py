@@ -86,7 +86,7 @@ def tune_socket(sock: socket.socket, here: bool) -> None:
     """Socket options for a tcp connection's data: to a peer on this machine, congestion
     control without pacing (reno, which every kernel allows unprivileged); nothing changes
     where the option is refused or the socket is not TCP."""
-    if here and sock.family != socket.AF_UNIX:
+    if here and sock.family != socket.AF_UNIX and hasattr(socket, "TCP_CONGESTION"):
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, LOCAL_CONGESTION)
         except OSError:
