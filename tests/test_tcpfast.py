@@ -278,11 +278,14 @@ def test_frames_cut_at_every_boundary(native, waits):
                         break
                     got.append((m.header, bytes(m.buffers[0])))
                     m.release()
-            a.sendall(one[k:])
+            # the rest comes while the receiver waits (or polls) on what it has
+            rest = threading.Timer(0.002, a.sendall, (one[k:],))
+            rest.start()
             while len(got) < 2:
                 m = conn.recv(timeout=5.0) if waits else _poll(conn)
                 got.append((m.header, bytes(m.buffers[0])))
                 m.release()
+            rest.join(5)
             assert got == [({"a": 1}, b"x" * 40), ({"b": [2]}, b"y" * 70)], k
             deadline = time.monotonic() + 5
             while conn._credits != credits0 + 3 and time.monotonic() < deadline:
