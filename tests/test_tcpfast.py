@@ -11,6 +11,7 @@ pieces, and with a receive that times out in the middle of a payload.
 from __future__ import annotations
 
 import os
+import pathlib
 import socket
 import struct
 import threading
@@ -29,6 +30,7 @@ from transport.stream import StreamConnection
 
 from .test_fuzz_parsers import _canon, headers, wire_streams
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 REQUIRED = os.environ.get("MOE_REQUIRE_NATIVE") == "1"
 needs_native = pytest.mark.skipif(not stream.NATIVE_AVAILABLE and not REQUIRED,
                                   reason="transport/_tcpfast.c is not built here (make deps builds it)")
@@ -52,6 +54,50 @@ def test_the_compiled_path_is_built_where_it_is_required():
     with pytest.raises(ValueError):
         transport.listen("tcp://127.0.0.1:0", native="yes")
 
+
+
+#: a process where transport/_tcpfast.c cannot be imported (as where no compiler was found)
+_WITHOUT_THE_EXTENSION = r"""
+import sys, threading
+sys.modules["transport._tcpfast"] = None  # import raises ImportError
+import transport
+from transport import stream
+from transport.errors import TransportError
+assert stream.NATIVE_AVAILABLE is False and stream._tcpfast is None
+try:
+    transport.listen("tcp://127.0.0.1:0", native=True)
+    raise SystemExit("native=True did not fail")
+except TransportError as e:
+    assert "make deps" in str(e), e
+lst = transport.listen("tcp://127.0.0.1:0", slot_size=1 << 21, nslots=4)
+box = {}
+t = threading.Thread(target=lambda: box.setdefault("s", lst.accept(timeout=10)))
+t.start()
+c = transport.connect(lst.url, slot_size=1 << 21, nslots=4, timeout=10)
+t.join(10)
+s = box["s"]
+assert c._link is None and s._link is None
+for n in (0, 64, 4096, 1 << 20, 1 << 21):
+    slot = c.alloc(n)
+    slot.buf[:] = bytes([n % 251]) * n
+    c.send({"n": n}, [slot])
+    with s.recv(timeout=10) as m:
+        assert m.header == {"n": n} and bytes(m.buffers[0]) == bytes([n % 251]) * n, n
+c.close(); s.close(); lst.close()
+print("python path ok")
+"""
+
+
+def test_without_the_extension_the_python_path_carries_every_size():
+    """Where the module cannot be imported, ``native=None`` connections run the Python path
+    (detected at import, not at build time) and ``native=True`` says how to build it."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", _WITHOUT_THE_EXTENSION], capture_output=True, text=True,
+                       timeout=120, env=env, cwd=ROOT)
+    assert p.returncode == 0 and "python path ok" in p.stdout, p.stderr
 
 # -- helpers ---------------------------------------------------------------------------------
 def _tcp_sockets() -> tuple[socket.socket, socket.socket]:
