@@ -1,7 +1,8 @@
 """Only the compiled fast paths live here (metadata is in setup.cfg): shm://'s one-slot
-messages, rdma://'s small SENDs, tcp://'s one-slot messages and the gateway's combine in C. ``optional``: a machine without a C compiler,
-Python headers or verbs.h still installs, and each backend runs its Python path (``make
-deps`` builds all four, and CI requires them)."""
+messages, rdma://'s small SENDs, tcp://'s one-slot messages and the gateway's combine in
+C. ``optional``: a machine without a C compiler, Python headers or verbs.h still installs,
+and each backend runs its Python path (``make deps`` builds all four, and CI requires
+them)."""
 from setuptools import Extension, setup
 
 FLAGS = ["-O2", "-Wall", "-Werror=implicit-function-declaration"]
