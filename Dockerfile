@@ -14,7 +14,8 @@ COPY setup.cfg pyproject.toml ./
 RUN python -c "import configparser; c = configparser.ConfigParser(); c.read('setup.cfg'); print(c['options']['install_requires'].strip())" > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
 # then the source, installed without touching the dependencies again; gcc only for as long
-# as setup.py compiles shm://'s fast path (transport/_shmfast.c; the image keeps the .so).
+# as setup.py compiles shm://'s and tcp://'s fast paths (transport/_shmfast.c and
+# transport/_tcpfast.c; the image keeps the .so files).
 # rdma://'s (transport/_rdmafast.c) needs verbs.h and pyverbs, which this tcp/shm image does
 # not carry: setup.py leaves it out (it is optional), and rdma:// is not served from it.
 COPY README.md setup.py ./
@@ -23,7 +24,7 @@ COPY workers ./workers
 COPY gateway ./gateway
 COPY bench ./bench
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
- && pip install --no-deps . && (cd / && python -c "import transport._shmfast") \
+ && pip install --no-deps . && (cd / && python -c "import transport._shmfast, transport._tcpfast") \
  && apt-get purge -y --auto-remove gcc libc6-dev && rm -rf /var/lib/apt/lists/* build *.egg-info
 # the commit, for moe_build_info (docker build --build-arg MOE_BUILD_COMMIT=$(git rev-parse HEAD) .)
 ARG MOE_BUILD_COMMIT=unknown

@@ -7,8 +7,8 @@ PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-# Debian packages. The demo's: gcc and python3-dev, since setup.py compiles shm://'s fast
-# path and the gateway's combine (transport/_shmfast.c, gateway/_combine.c).
+# Debian packages. The demo's: gcc and python3-dev, since setup.py compiles shm://'s and tcp://'s
+# fast paths and the gateway's combine (transport/_shmfast.c, transport/_tcpfast.c, gateway/_combine.c).
 RUN_APT_PKGS := gcc python3-dev
 # The rest, for `make test`: pyverbs/rdma-core (not on PyPI), libibverbs-dev for rdma://'s
 # fast path (transport/_rdmafast.c needs verbs.h), and the real services the ops tests run
@@ -49,12 +49,12 @@ $(STAMP): $(RUN_STAMP) setup.cfg pyproject.toml setup.py
 deps: $(STAMP) native
 
 # the compiled fast paths: `pip install -e` builds them in place; these rebuild them when
-# the C sources change (shm:// and rdma:// run their Python paths where they are not built).
-# The demo's two need gcc and python3-dev only; rdma://'s also needs verbs.h (libibverbs-dev).
+# the C sources change (shm://, tcp:// and rdma:// run their Python paths where they are not
+# built). The demo's three need gcc and python3-dev only; rdma://'s also needs verbs.h (libibverbs-dev).
 EXT := $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-NATIVE_RUN := transport/_shmfast$(EXT) gateway/_combine$(EXT)
+NATIVE_RUN := transport/_shmfast$(EXT) transport/_tcpfast$(EXT) gateway/_combine$(EXT)
 NATIVE := $(NATIVE_RUN) transport/_rdmafast$(EXT)
-$(NATIVE_RUN) &: transport/_shmfast.c transport/_fastpath.h gateway/_combine.c setup.py | $(RUN_STAMP)
+$(NATIVE_RUN) &: transport/_shmfast.c transport/_tcpfast.c transport/_fastpath.h gateway/_combine.c setup.py | $(RUN_STAMP)
 	$(PY) setup.py -q build_ext --inplace
 transport/_rdmafast$(EXT): transport/_rdmafast.c transport/_fastpath.h setup.py | $(STAMP)
 	$(PY) setup.py -q build_ext --inplace

@@ -7,7 +7,7 @@ Systems, same weights and router, same batches, interleaved round by round:
   child: two OpenBLAS threads in the measuring process keep spinning after their work and
   would slow every system measured after them on 2 cores;
 - multiprocessing: two worker processes fed through multiprocessing pipes (the peer a
-  user would write first);
+  user would write first); pyzmq: the same over pyzmq tcp sockets (where it is installed);
 - moe-transport: real `moe-worker` processes driven by the gateway's WorkerPool, per backend,
   with each worker's part sent whole (one message) and, as moe-transport+chunks, in chunks
   (pipelined rounds, gateway/chunking.py): per round, the busiest worker's time with no
@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from bench.systems import Multiprocessing
+from bench.systems import Multiprocessing, Zmq
 from workers.flags import worker_argv
 
 FULL = dict(d_model=1024, d_ff=2048, batch=256)
@@ -332,6 +332,10 @@ def measure(args: argparse.Namespace, dims: dict) -> dict:
     systems: dict[str, Any] = {}
     with threadpool_limits(1):  # the gateway side stays on one BLAS thread
         systems["multiprocessing"] = Multiprocessing(ref.router, args.local_workers, dff, args.seed, batch * args.top_k)
+        try:
+            systems["pyzmq/tcp"] = Zmq(ref.router, args.local_workers, dff, args.seed, batch * args.top_k)
+        except ImportError:
+            print("note: pyzmq is not installed here; its row is left out (pip install 'moe-transport[bench]')")
     from gateway.chunking import parse_chunk_rows
     chunk_rows = parse_chunk_rows(args.chunk_rows)
     twins: dict[str, list[str]] = {}  # whole parts' system -> those on its workers, timed in turn with it
@@ -428,7 +432,11 @@ def measure(args: argparse.Namespace, dims: dict) -> dict:
             if st.get("total") else None
         ratios[b] = {"vs_ceiling": r["tokens_per_s"] / ceiling, "vs_multiprocessing": r["tokens_per_s"] / mpr,
                      "transport_share_of_p50": share}
-        print(f"{b}: {ratios[b]['vs_ceiling']:.2f}x the ceiling, {ratios[b]['vs_multiprocessing']:.2f}x multiprocessing; "
+        zq = by.get(("pyzmq", "tcp"))
+        if zq is not None:
+            ratios[b]["vs_pyzmq"] = r["tokens_per_s"] / zq["tokens_per_s"]
+        print(f"{b}: {ratios[b]['vs_ceiling']:.2f}x the ceiling, {ratios[b]['vs_multiprocessing']:.2f}x multiprocessing"
+              + (f", {ratios[b]['vs_pyzmq']:.2f}x pyzmq" if zq is not None else "") + "; "
               f"transport share of the batch {100 * share:.1f}%  stages(ms) " +
               " ".join(f"{k}={v:.2f}" for k, v in st.items()))
         chunked = by.get(("moe-transport+chunks", b))

@@ -75,8 +75,7 @@ def zmq_medium(backend: str) -> str:
 def table_peers(backend: str) -> list[tuple[str, str]]:
     """(impl, medium) of the rows shown in a backend's table, ours first."""
     rows = [("moe-transport", backend), ("raw", backend), ("pyzmq", zmq_medium(backend)), ("pipe", "pipe")]
-    if backend in ("shm", "rdma"):  # the fast path's Python side beside the compiled one
-        rows.insert(1, ("moe-transport-py", backend))
+    rows.insert(1, ("moe-transport-py", backend))  # the fast path's Python side beside the compiled one
     if backend == "rdma":
         rows.append(("perftest", "rdma"))
     return rows

@@ -258,6 +258,115 @@ class Multiprocessing(System):
             c.close()
 
 
+# -- pyzmq over tcp ---------------------------------------------------------------------
+def _zmq_array(frame, d_model: int) -> np.ndarray:
+    """A received frame's rows, in place; copied only where zmq left a small message at an
+    odd address inside its read buffer (numpy and the compiled combine want aligned floats)."""
+    a = np.frombuffer(frame.buffer, np.float32).reshape(-1, d_model)
+    return a if a.flags.aligned else a.copy()
+
+
+def _zmq_worker(ctrl, experts: list[int], d_model: int, d_ff: int, seed: int, max_rows: int) -> None:
+    import pickle
+
+    import zmq
+    from threadpoolctl import threadpool_limits
+
+    from workers.expert import SwiGLUExpert
+    threadpool_limits(1)
+    ex = {e: SwiGLUExpert.from_seed(e, d_model, d_ff, seed=seed, max_tokens=max_rows) for e in experts}
+    out = np.empty((max_rows, d_model), np.float32)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    ctrl.send(sock.bind_to_random_port("tcp://127.0.0.1"))
+    try:
+        while True:
+            frames = sock.recv_multipart(copy=False)
+            if len(frames) != 2:
+                return
+            groups = pickle.loads(frames[0].bytes)
+            x = _zmq_array(frames[1], d_model)
+            for e, start, count in groups:
+                ex[e].forward(x[start:start + count], out[start:start + count])
+            # zero-copy: the gateway's next request (after it has this reply) is what reuses `out`
+            sock.send(out[:x.shape[0]], copy=False)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+class Zmq(System):
+    """Multiprocessing's layer with pyzmq PAIR sockets over tcp (loopback) instead of pipes:
+    each worker's rows go as one zero-copy message (the groups pickled beside them), its
+    reply comes back as one; the same route, gather and combine."""
+
+    name, backend = "pyzmq", "tcp"
+
+    def __init__(self, router, n_workers: int, d_ff: int, seed: int, max_rows: int, timeout: float = 60.0):
+        import zmq
+
+        from gateway.dispatch import DispatchPlan
+        self.router, self.plan_cls, self.timeout = router, DispatchPlan, timeout
+        n_exp, d = router.n_experts, router.d_model
+        self.owner = [e * n_workers // n_exp for e in range(n_exp)]
+        ctx = mp.get_context("fork")
+        self.procs, ports = [], []
+        for w in range(n_workers):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=_zmq_worker, args=(b, [e for e in range(n_exp) if self.owner[e] == w],
+                                                      d, d_ff, seed, max_rows), daemon=True)
+            p.start()
+            b.close()
+            self.procs.append(p)
+            if not a.poll(timeout):
+                self.close()
+                raise TimeoutError("pyzmq worker did not start")
+            ports.append(a.recv())
+            a.close()
+        self.zctx = zmq.Context()  # after the forks: a context does not survive one
+        self.socks = []
+        for port in ports:
+            s = self.zctx.socket(zmq.PAIR)
+            s.connect(f"tcp://127.0.0.1:{port}")
+            self.socks.append(s)
+        self.n_workers = n_workers
+        self.lock = threading.Lock()
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        import pickle
+        r = self.router.route(x)
+        plan = self.plan_cls.build(r.topk_idx, r.topk_weights, self.owner, self.n_workers)
+        busy = [w for w in range(self.n_workers) if plan.worker_tokens(w)]
+        for w in busy:  # send to all before waiting
+            self.socks[w].send_multipart([pickle.dumps(plan.groups(w)), plan.gather(x, w)], copy=False)
+        outs: list = [None] * self.n_workers
+        for w in busy:
+            s = self.socks[w]
+            if not s.poll(self.timeout * 1000):
+                raise TimeoutError("pyzmq worker did not answer")
+            outs[w] = _zmq_array(s.recv(copy=False), x.shape[1])
+        return plan.combine(outs, np.empty_like(x))
+
+    def pids(self) -> dict:
+        return {f"worker{i}": p.pid for i, p in enumerate(self.procs)}
+
+    def close(self) -> None:
+        for s in getattr(self, "socks", []):
+            try:
+                s.send(b"", copy=True)  # one frame: quit
+            except Exception:
+                pass
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for s in getattr(self, "socks", []):
+            s.close(linger=0)
+        if hasattr(self, "zctx"):
+            self.zctx.term()
+
+
 # -- Ray --------------------------------------------------------------------------------
 class RayActors(System):
     """One Ray actor per expert; each pass routes here, sends every expert its rows as a

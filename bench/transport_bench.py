@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import peers, perftest, report
+from . import floors, peers, perftest, report
 from .provenance import provenance, write_json_atomic
 from .stats import min_samples
 
@@ -228,13 +228,13 @@ def _make_peers(backend, max_size, with_peers, slot_size, server_cpu, server_dev
     if not with_peers:
         return ours
     others: list[peers.Peer] = []
-    if backend in ("shm", "rdma"):
-        from transport import rdma_conn, shm
-        built = shm.NATIVE_AVAILABLE if backend == "shm" else rdma_conn._rdmafast is not None
+    if backend in ("shm", "rdma", "tcp"):
+        from transport import rdma_conn, shm, stream
+        built = {"shm": shm.NATIVE_AVAILABLE, "tcp": stream.NATIVE_AVAILABLE}.get(backend, rdma_conn._rdmafast is not None)
         if built:  # else both rows would be the Python path
             others.append(peers.MoeTransportPeer(max_size, _url(backend, server_device), slot_size=slot_size, native=False,
                                                  server_cpu=server_cpu))
-    floor = {"tcp": peers.RawTcpPeer, "shm": peers.ShmFloorPeer, "rdma": peers.RdmaFloorPeer}[backend]
+    floor = {"tcp": peers.RawTcpPeer, "shm": floors.ShmFloorPeer, "rdma": floors.RdmaFloorPeer}[backend]
     others.append(floor(max_size, server_cpu=server_cpu))
     try:
         import zmq  # noqa: F401

@@ -22,6 +22,7 @@ from bench import report as R
 from bench.provenance import provenance, write_json_atomic
 from bench.stats import min_samples, reliable
 from bench.transport_bench import _iters, lat_stats, parse_size
+from transport import stream
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROVENANCE_KEYS = {"version", "commit", "dirty", "command", "host", "kernel", "cpu_model", "cpus", "date_utc",
@@ -213,6 +214,8 @@ def test_uncarried_size_is_reported_and_the_run_goes_on(tmp_path):
         for size in (64, 4096):  # measured before and after the size it could not carry
             r = res[("moe-transport", "tcp", fig, size)]
             assert r["carried"] and r["lat_us"]["samples"] == 30 and r["bw_gbps"] > 0
+            if stream.NATIVE_AVAILABLE:  # the Python path beside the compiled one
+                assert res[("moe-transport-py", "tcp", fig, size)]["carried"]
         for impl, medium in (("raw", "tcp"), ("pyzmq", "tcp"), ("pipe", "pipe")):
             r = res[(impl, medium, fig, 16384)]
             assert r["carried"] and r["lat_us"]["p50"] > 0

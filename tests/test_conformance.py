@@ -18,6 +18,8 @@ from transport.testing import inproc
 
 BACKENDS = {
     "tcp": dict(url_factory=lambda: "tcp://127.0.0.1:0"),
+    # tcp's Python path ("tcp" takes the compiled one, transport/_tcpfast.c, where it is built)
+    "tcp-python": dict(url_factory=lambda: "tcp://127.0.0.1:0", backend="tcp", options={"native": False}),
     "shm": dict(url_factory=lambda: f"shm://moe-test-{uuid.uuid4().hex[:12]}",
                 shares_sender_memory=True, leak_dirs=("/dev/shm",)),
     "inproc": dict(url_factory=lambda: f"inproc://moe-test-{uuid.uuid4().hex[:12]}",

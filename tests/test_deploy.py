@@ -288,8 +288,10 @@ def test_dockerfile_is_pinned_non_root_and_layers_dependencies_first():
     assert deps and meta < deps[0] < src, "dependencies are not installed before the source is copied"
     final = [a for i, (op, a) in enumerate(ins) if op == "RUN" and i > src and "pip install" in a]
     assert final and "--no-deps" in final[0]
-    # the image has shm://'s compiled fast path: setup.py is copied, and the build fails without it
-    assert any("setup.py" in a for _, a in copies) and "import transport._shmfast" in final[0]
+    # the image has shm://'s and tcp://'s compiled fast paths: setup.py is copied, and the
+    # build fails without them
+    assert any("setup.py" in a for _, a in copies)
+    assert "import transport._shmfast, transport._tcpfast" in final[0]
     assert str(METRICS_PORT) in next(a for op, a in ins if op == "EXPOSE").split()
 
 

@@ -285,20 +285,21 @@ def test_rdma_credit_message_decode(body):
 
 
 # -- the receive paths themselves, over real endpoints ----------------------------------------
-def _stream_pair():
+def _stream_pair(native=None):
     from transport.pool import BufferPool
     from transport.stream import StreamConnection
     a, b = socket.socketpair()
     peer = {"slot_size": MAX_PAYLOAD, "nslots": 4}
     conn = StreamConnection(b, "tcp://fuzz", BufferPool(MAX_PAYLOAD, 4), peer, default_timeout=1.0,
-                            max_header=MAX_HEADER)
+                            max_header=MAX_HEADER, native=native)
     return a, conn
 
 
+@pytest.mark.parametrize("native", [None, False], ids=["compiled-where-built", "python"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.one_of(wire_streams(), st.binary(max_size=400)))
-def test_tcp_receive_path_only_raises_transport_errors(data):
-    raw, conn = _stream_pair()
+def test_tcp_receive_path_only_raises_transport_errors(native, data):
+    raw, conn = _stream_pair(native)
     try:
         raw.sendall(data)
         raw.shutdown(socket.SHUT_WR)

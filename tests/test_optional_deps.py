@@ -46,7 +46,7 @@ RDMA_WITHOUT_PYVERBS = hide("pyverbs") + textwrap.dedent("""
             print(what, "NO ERROR")
         except TransportError as e:
             print(what, "TransportError:", e)
-    from bench.peers import RdmaFloorPeer
+    from bench.floors import RdmaFloorPeer
     try:
         RdmaFloorPeer(4096)._open()
     except TransportError as e:

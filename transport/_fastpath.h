@@ -57,7 +57,7 @@ fp_bind(FastPath *fp, PyObject *msg_cls, PyObject *slot_cls)
 }
 
 /* conn._state == OPEN (0); -1 with an error set if it cannot be read */
-static int
+static inline int
 fp_conn_open(FastPath *fp, PyObject *conn)
 {
     PyObject *v = PyObject_GetAttr(conn, fp->s_state);
@@ -184,7 +184,7 @@ typedef struct {
 } FastLink;
 
 /* ``conn.<name>`` if it is an open Link of type ``cls``, else NULL (borrowed: the connection keeps it) */
-static FastLink *
+static inline FastLink *
 fp_link_of(PyObject *conn, PyObject *name, PyTypeObject *cls)
 {
     PyObject *link = PyObject_GetAttr(conn, name);

@@ -166,6 +166,31 @@ def frame_credit(count: int) -> bytes:
     return encode_prefix(CREDIT, 0, count)
 
 
+#: tcp: a DATA frame with at least this much payload is written padded (padded_frame_head)
+PAD_MIN = 1 << 20
+
+
+def padded_frame_head(user: bytes, lens: list, total: int, credits: int, src: int) -> tuple[bytes, bytes]:
+    """``(lead, header)`` that go before a payload of ``total`` bytes at address ``src`` in
+    one write: ``lead`` a CREDIT frame for ``credits`` (if any) and the DATA prefix, the
+    header ``[user_header, lens, padding]`` (``user`` packed) with a bin ``extra`` (no
+    credits to any receiver) of the length that puts the payload at ``src``'s offset modulo
+    64 in the write and not at it modulo 4 KiB. The kernel copies a payload into its socket
+    buffer -- 4 KiB pages, filled from the write's first byte -- at a fraction of its speed
+    when it lands up to a few dozen bytes past its source's offset in a page (measured here:
+    4 MiB took 2.3 ms at 25 bytes past, 1.1-1.5 ms at 64 or 128)."""
+    lead = frame_credit(credits) if credits else b""
+    body = b"\x93" + user + _packer.pack(lens)
+    base = len(lead) + PREFIX_SIZE + len(body) + 1  # with a nil extra
+    r = src % 4096
+    off = base + (r - base) % 64
+    if (off - r) % 4096 == 0:
+        off += 64
+    d = off - base  # 0..127: nil, or a bin8 of d - 1 bytes
+    header = body + (b"\xc0" if not d else b"\xc4" + bytes([d - 1]) + bytes(d - 1))
+    return lead + encode_prefix(DATA, len(header), total), header
+
+
 def frame_close() -> bytes:
     return encode_prefix(CLOSE, 0, 0)
 

@@ -1,4 +1,5 @@
-"""Receive and send machinery for byte-stream backends (tcp).
+"""Receive machinery and lifecycle for byte-stream backends (tcp); the send side is
+transport/stream_send.py.
 
 Receiving is one syscall per wake-up. The socket stays in blocking mode; a wait is a
 ``recv_into`` that blocks in the kernel for at most the caller's timeout (``SO_RCVTIMEO``,
@@ -9,32 +10,20 @@ place:
 - a payload that arrived in the read buffer together with its header (small messages,
   and the first bytes of a large one) is copied from there into a slot of the receive
   pool: a few KiB of memcpy is much cheaper than the syscall that avoiding it costs;
-- the rest of a payload is read straight into the slot (``recvmsg_into`` scattering over
-  [the rest of the slot, a short read-ahead for the next prefix and header]), so for
+- the rest of a payload is read straight into the slot (one ``recv_into`` with
+  ``MSG_WAITALL`` when the caller waits; ``recvmsg_into`` scattering over [the rest of
+  the slot, a short read-ahead for the next prefix and header] when it does not), so for
   large messages the kernel's socket copy is the only one.
 
 Either way ``Message.buffers`` are views of registered memory (the receive pool).
 
-Sending is one ``sendmsg`` per message: [prefix, header, *buffers], slots and user
-buffers alike go to the kernel as they are. A buffer that is not a slot of this
-connection is counted in ``stats.copies`` as on every backend (it left the registered
-path), although here the kernel's copy is the only one.
+Where transport/_tcpfast.c is built (``native``, the default), alloc, send, recv and a
+message's release run there for the common message -- one slot, a header that fits --
+on the same state (the attributes in ``__slots__``); everything else (waiting for
+credits, a frame the kernel does not take at once, a payload larger than one read, any
+malformed input) is handed to the Python methods below, which own the protocol.
 
-- A blocking send (``timeout`` > 0 or None) either completes or raises before its first
-  byte (Timeout, ValueError, TypeError: the connection is still usable); if the deadline
-  passes in the middle of a frame the byte stream cannot be resynchronised, so the
-  connection is torn down (BROKEN) and ConnectionClosed raised (everything sent before
-  is still delivered).
-- ``send(..., timeout=0)`` never blocks: what the kernel does not take at once stays with
-  the connection (``_out``, with the slots it points into) and is written by later calls
-  -- any send, recv, ``flush()`` -- while ``wants_write()`` says so a poller can wait for
-  POLLOUT. One unfinished frame at a time: while it is, ``send_ready()`` is False and a
-  further ``send(timeout=0)`` raises Timeout (nothing of it sent).
-
-Credits: releasing a message owes the peer a credit; owed credits ride on the next DATA
-frame, or go as a CREDIT frame once half the peer's window is owed or before this side
-waits. Sending credits never blocks: a frame the kernel cannot take goes later (after any
-unfinished DATA frame, never inside one).
+A peer on this machine gets congestion control without pacing (:func:`tune_socket`).
 
 A connection is used by one thread at a time (messages too: release them from that
 thread).
@@ -44,36 +33,40 @@ from __future__ import annotations
 import collections
 import fcntl
 import ipaddress
-import os
 import select
 import socket
-import struct
 import termios
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from . import framing
-from .base import BROKEN, OPEN, Connection, ConnectionStats, Message
-from .errors import ConnectionClosed, ProtocolError, Timeout
+from .base import BROKEN, OPEN, CompiledPath, Connection, ConnectionStats, Message
+from .errors import ProtocolError, Timeout, TransportError
 from .framing import next_frame
 from .pool import BufferPool, Slot
-from .timing import TCP_LINGER, TCP_LINGER_POLL, TCP_SEND_SLICE
+from .stream_send import StreamSender, set_timeo
+from .timing import TCP_LINGER, TCP_LINGER_POLL
 
-_IOV_MAX = 1024
+try:
+    from . import _tcpfast
+except ImportError:  # no C compiler where it was installed: the Python path
+    _tcpfast = None
+
+#: whether transport/_tcpfast.c is built here (connections use it unless ``native=False``)
+NATIVE_AVAILABLE = _tcpfast is not None
+
 _DONTWAIT = socket.MSG_DONTWAIT
 _WAITALL = socket.MSG_WAITALL
 _POLLIN, _POLLOUT = select.POLLIN, select.POLLOUT
-_PREFIX = framing.PREFIX
 _PREFIX_SIZE = framing.PREFIX_SIZE
-_MAGIC, _VERSION = framing.MAGIC, framing.VERSION
 _DATA, _CREDIT, _CLOSE = framing.DATA, framing.CREDIT, framing.CLOSE
-_MAX_BUFFERS = framing.MAX_BUFFERS
-_IDLE_READ = 64 << 10  # read size when no payload is being received
+_IDLE_READ = 64 << 10  # a payload up to this size is read with its header into the read buffer
+_HEAD_ROOM = 1 << 10  # an idle read takes a prefix and a header beside such a payload
 _READ_AHEAD = 4 << 10  # after the rest of a payload: the next prefix + header (+ a bit)
-_TIMEVAL = struct.Struct("ll")
-_SIOCOUTQNSD = 0x894B  # linux/sockios.h
 _monotonic = time.monotonic
-_pack = framing._packer.pack
+#: congestion control for a peer on this machine: loopback has no congestion, and the
+#: pacing of the system's default (bbr here) held one large message to its bandwidth estimate
+LOCAL_CONGESTION = b"reno"
 
 
 def peer_is_here(sock: socket.socket) -> bool:
@@ -89,39 +82,40 @@ def peer_is_here(sock: socket.socket) -> bool:
     return (mapped or ip).is_loopback
 
 
-def _set_timeo(sock: socket.socket, opt: int, t: float) -> float:
-    """Set SO_RCVTIMEO/SO_SNDTIMEO to ``t`` seconds (at least 1 us: 0 means forever)."""
-    sec = int(t)
-    usec = int((t - sec) * 1e6)
-    if sec == 0 and usec == 0:
-        usec = 1
-    sock.setsockopt(socket.SOL_SOCKET, opt, _TIMEVAL.pack(sec, usec))
-    return sec + usec * 1e-6
+def tune_socket(sock: socket.socket, here: bool) -> None:
+    """Socket options for a tcp connection's data: to a peer on this machine, congestion
+    control without pacing (reno, which every kernel allows unprivileged); nothing changes
+    where the option is refused or the socket is not TCP."""
+    if here and sock.family != socket.AF_UNIX and hasattr(socket, "TCP_CONGESTION"):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, LOCAL_CONGESTION)
+        except OSError:
+            pass
 
 
-def _advance(views: list, n: int) -> None:
-    """Drop the first ``n`` bytes of a list of memoryviews (what a sendmsg wrote)."""
-    while n:
-        k = views[0].nbytes
-        if n >= k:
-            n -= k
-            del views[0]
-        else:
-            views[0] = views[0][n:]
-            return
+class _StreamMessage(Message):
+    """A tcp message: its release runs in transport/_tcpfast.c where that is built."""
+
+    __slots__ = ()
 
 
-class StreamConnection(Connection):
+class StreamConnection(StreamSender, CompiledPath, Connection):
     """A message connection over a connected stream socket, after the handshake."""
 
+    # what the compiled path reads and writes (members it reaches without a lookup)
+    __slots__ = ("_state", "_credits", "_owed", "_rpos", "_rend", "_want", "_out", "_inbox", "_rcvtimeo",
+                 "_rsize", "_link")
+
     def __init__(self, sock: socket.socket, url: str, recv_pool: BufferPool, peer: dict,
-                 *, default_timeout: float, max_header: int = framing.MAX_HEADER):
+                 *, default_timeout: float, max_header: int = framing.MAX_HEADER, native: Optional[bool] = None):
         sock.setblocking(True)  # waits block in the kernel; see the module docstring
+        self._state = OPEN
+        self._link = None
         self.url = url
         self.sock = sock
         self._fd = sock.fileno()
         self.default_timeout = default_timeout
-        self.stats = ConnectionStats()
+        self._stats = ConnectionStats()
         self.recv_pool = recv_pool
         self.max_message = int(peer["slot_size"])
         self.send_pool = BufferPool(self.max_message, int(peer["nslots"]), name=f"send:{url}")
@@ -133,10 +127,12 @@ class StreamConnection(Connection):
         self._owe_flush = max(1, recv_pool.nslots // 2)
         self._inbox: collections.deque = collections.deque()
         self._sock_open = True
-        # the read buffer: bytes [_rpos, _rend) are received and not parsed yet
+        # the read buffer: bytes [_rpos, _rend) are received and not parsed yet; an idle
+        # read takes _rsize bytes
         self._rbuf = bytearray(_PREFIX_SIZE + max_header + _IDLE_READ)
         self._rview = memoryview(self._rbuf)
-        self._rhead = self._rview[:_IDLE_READ]  # where an idle read goes
+        self._idle = min(len(self._rbuf), _IDLE_READ + _HEAD_ROOM)
+        self._rsize = self._idle
         self._rpos = 0
         self._rend = 0
         # a payload being read straight into its slot: the rest of the slot, and the message
@@ -153,6 +149,15 @@ class StreamConnection(Connection):
         self._empty = memoryview(b"")
         self._outq = bytearray(4)
         self._peer_here = peer_is_here(sock)
+        tune_socket(sock, self._peer_here)
+        if native is not False and _tcpfast is not None:
+            self._link = _tcpfast.Link(self._fd, self._rbuf, recv_pool, self.send_pool, self.max_message,
+                                       self._max_payload, max_header, self._owe_flush, self._idle, _READ_AHEAD,
+                                       _IDLE_READ)
+
+    def _close_link(self) -> None:
+        if self._link is not None:
+            self._link.close()  # the compiled path declines from now on
 
     # -- receive: reading -------------------------------------------------------------
     def _read(self, flags: int) -> bool:
@@ -169,7 +174,7 @@ class StreamConnection(Connection):
                 rend = self._rend
                 n = self.sock.recv_into(self._rview[rend : rend + _IDLE_READ], 0, flags)
             else:
-                n = self.sock.recv_into(self._rhead, 0, flags)
+                n = self.sock.recv_into(self._rview[: self._rsize], 0, flags)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as e:  # reset: what was already read is still delivered
@@ -188,19 +193,24 @@ class StreamConnection(Connection):
             self._want = None
             header, bufs, slot = self._cur
             self._cur = None
-            st = self.stats
+            st = self._stats
             st.messages_received += 1
             st.bytes_received += slot.nbytes
-            self._inbox.append(Message(header, bufs, None, self, slot))
+            self._inbox.append(_StreamMessage(header, bufs, None, self, slot))
             if n == k:
                 return True
             self._rpos, self._rend = 0, n - k
+        self._parse_rest()
+        return True
+
+    def _parse_rest(self) -> None:
+        """Parse what the read buffer holds from ``_rpos`` (the compiled recv hands over
+        here what it does not parse itself); a protocol error breaks the connection."""
         try:
             self._parse_frames()
         except ProtocolError as e:
             self._abort(f"protocol error: {e}")
             raise
-        return True
 
     def _parse_frames(self) -> None:
         """Turn the complete frames in the read buffer into messages and credits
@@ -229,8 +239,8 @@ class StreamConnection(Connection):
                 self._credits += extra  # credits piggybacked on data
             if not plen:
                 pos = pstart
-                self.stats.messages_received += 1
-                inbox.append(Message(header, [self._empty[0:0] for _ in lens], None, self, None))
+                self._stats.messages_received += 1
+                inbox.append(_StreamMessage(header, [self._empty[0:0] for _ in lens], None, self, None))
                 continue
             slot = try_alloc(plen)
             if slot is None:
@@ -245,20 +255,20 @@ class StreamConnection(Connection):
                     off += n
             have = end - pstart
             if have >= plen:
-                if self._rhead.nbytes != _IDLE_READ and plen < _READ_AHEAD:
-                    self._rhead = rview[:_IDLE_READ]  # small messages again: read many at once
+                if plen < _READ_AHEAD:
+                    self._rsize = self._idle  # small messages (again): read many at once
                 pos = pstart + plen
                 base[:plen] = rview[pstart:pos]
-                st = self.stats
+                st = self._stats
                 st.messages_received += 1
                 st.bytes_received += plen
-                inbox.append(Message(header, bufs, None, self, slot))
+                inbox.append(_StreamMessage(header, bufs, None, self, slot))
                 continue
             # the rest of the payload is read straight into the slot; while messages are
             # this large, idle reads take little more than a prefix and header, so that
             # the next payload too lands in its slot rather than in the read buffer
-            if plen > _IDLE_READ and self._rhead.nbytes != _READ_AHEAD:
-                self._rhead = rview[:_READ_AHEAD]
+            if plen > _IDLE_READ:
+                self._rsize = _READ_AHEAD
             if have:
                 base[:have] = rview[pstart:end]
             self._want = base[have:plen]
@@ -275,7 +285,7 @@ class StreamConnection(Connection):
             self._rpos, self._rend = pos, end
 
     def _set_rcvtimeo(self, t: float) -> None:
-        self._rcvtimeo = _set_timeo(self.sock, socket.SO_RCVTIMEO, t)
+        self._rcvtimeo = set_timeo(self.sock, socket.SO_RCVTIMEO, t)
 
     def _wait_readable(self, t: float) -> None:
         """Read once, waiting up to ``t`` seconds for something to arrive; while bytes of
@@ -303,34 +313,7 @@ class StreamConnection(Connection):
     def pending(self) -> bool:
         return bool(self._inbox)
 
-    def send_ready(self) -> bool:
-        if self._state or self._credits <= 0:
-            return False
-        if self._out is not None and not self._flush_out():
-            return False
-        # nothing queued in the kernel that it could not send yet: a peer that reads keeps it
-        # so, and a frame we start goes out as the peer reads; one that does not read would
-        # stall the send (SIOCOUTQNSD: bytes not sent; TIOCOUTQ would count unacked ones too)
-        fcntl.ioctl(self._fd, _SIOCOUTQNSD, self._outq)
-        return self._outq == b"\0\0\0\0"
-
-    def wants_write(self) -> bool:
-        return self._out is not None
-
-    def yield_to_peer(self) -> None:
-        # A socket write wakes its reader with a sync wake-up, and Linux queues a reader on
-        # this machine on the writer's CPU, expecting the writer to sleep. A gateway that goes
-        # on to gather the next chunk does not, and the reader waits for it (see
-        # docs/design.md#tcp-yield-to-a-local-reader)
-        if self._peer_here:
-            os.sched_yield()
-
-    def flush(self) -> bool:
-        if self._state >= BROKEN:
-            return True
-        return self._flush_out()
-
-    def recv(self, timeout: Optional[float] = None) -> Message:
+    def _recv_py(self, timeout: Optional[float] = None) -> Message:
         inbox = self._inbox
         if inbox:
             return inbox.popleft()
@@ -363,6 +346,11 @@ class StreamConnection(Connection):
                     raise self._closed_error()
                 raise Timeout("timed out waiting for a message")
 
+    # the public calls: the compiled ones replace these where transport/_tcpfast.c is built
+    alloc = StreamSender._alloc_py
+    send = StreamSender._send_py
+    recv = _recv_py
+
     def _release_message(self, slot: Optional[Slot]) -> None:
         """A message was released: its slot goes back to the receive pool, and the peer is
         owed a credit (sent once half its window is owed, or before we wait)."""
@@ -373,263 +361,6 @@ class StreamConnection(Connection):
         self._owed += 1
         if self._owed >= self._owe_flush:
             self._send_control()
-
-    # -- send -------------------------------------------------------------------------
-    def alloc(self, nbytes: int, timeout: Optional[float] = None) -> Slot:
-        if self._state:
-            raise self._closed_error()
-        if not 0 <= nbytes <= self.max_message:
-            raise ValueError(f"{nbytes} bytes: a message holds 0..{self.max_message} bytes (the peer's slot)")
-        slot = self.send_pool.try_alloc(nbytes)
-        if slot is None:
-            slot = self._alloc_slow(nbytes, timeout)
-        return slot
-
-    def _alloc_slow(self, nbytes: int, timeout: Optional[float]) -> Slot:
-        # tcp frees send slots as soon as their frame is written: they are held by the
-        # caller, or by a frame that a send(timeout=0) left unfinished
-        if self._out_slots is None:
-            raise Timeout(f"all {self.send_pool.nslots} send slots are held by the caller")
-        end = _monotonic() + (self.default_timeout if timeout is None else timeout)
-        while True:
-            if self._flush_out():
-                slot = self.send_pool.try_alloc(nbytes)
-                if slot is not None:
-                    return slot
-                raise Timeout(f"all {self.send_pool.nslots} send slots are held by the caller")
-            if self._state:
-                raise self._closed_error()
-            t = end - _monotonic()
-            if t <= 0:
-                raise Timeout("timed out waiting for a send slot (the peer is not reading)")
-            self._wait_readable(t)
-
-    def send(self, header: Any, buffers: Sequence = (), timeout: Optional[float] = None) -> None:
-        slots = None
-        pool = self.send_pool
-        kept = False  # the slots stay with an unfinished frame (send(timeout=0))
-        try:
-            if self._state:
-                raise self._closed_error()
-            views: list = [None, None]
-            lens = []
-            copies = 0
-            for b in buffers:
-                if b.__class__ is Slot:
-                    if slots is None:
-                        slots = [b]
-                    else:
-                        slots.append(b)
-                    mv = b.mem[: b.nbytes]
-                    if b.pool is not pool:
-                        copies += 1  # a slot of another pool: memory, but not ours
-                else:
-                    mv = memoryview(b)
-                    if mv.format != "B" or mv.ndim != 1:
-                        mv = mv.cast("B")  # TypeError for non-contiguous memory
-                    copies += 1
-                views.append(mv)
-                lens.append(mv.nbytes)
-            if len(lens) > _MAX_BUFFERS:
-                raise ValueError(f"{len(lens)} buffers exceed the limit of {_MAX_BUFFERS} per message")
-            total = sum(lens)
-            if total > self.max_message:
-                raise ValueError(f"message of {total} bytes exceeds the peer's limit of {self.max_message}")
-            if self._out is not None and not self._flush_out() and timeout == 0:
-                raise Timeout("the previous message is still being written (the peer is not reading)")
-            end = None
-            if self._credits <= 0:
-                end = _monotonic() + (self.default_timeout if timeout is None else timeout)
-                self._wait_credits(end)
-            owed = self._owed
-            try:
-                head = _pack([header, lens, owed or None])
-            except (TypeError, ValueError, OverflowError) as e:
-                raise TypeError(f"header is not msgpack-serialisable: {e}") from None
-            hlen = len(head)
-            if hlen > self.max_header:
-                raise ValueError(f"header of {hlen} bytes exceeds the limit of {self.max_header}")
-            views[0] = _PREFIX.pack(_MAGIC, _VERSION, _DATA, hlen, total)
-            views[1] = head
-            self._owed = 0
-            size = _PREFIX_SIZE + hlen + total
-            try:
-                if self._out is not None:
-                    raise BlockingIOError  # bytes accepted before go first: the slow path
-                n = self.sock.sendmsg(views, (), _DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                n = 0
-            except OSError as e:
-                self._to_peer_gone(f"send failed ({e.strerror or e})")
-                raise self._closed_error() from None
-            except BaseException:
-                self._owed += owed  # nothing of the frame went out
-                raise
-            if n != size:
-                if timeout == 0 and self._out is None:
-                    self._keep_rest(views, n, buffers, slots)
-                    kept = True
-                else:
-                    try:
-                        self._write_rest(views, n, size, end, timeout)
-                    except Timeout:
-                        self._owed += owed  # nothing of the frame went out
-                        raise
-            self._credits -= 1
-            st = self.stats
-            st.messages_sent += 1
-            st.bytes_sent += total
-            if copies:
-                st.copies += copies
-        finally:
-            if slots is not None and not kept:
-                for s in slots:
-                    if s.pool is pool:
-                        pool.put(s)
-
-    def _keep_rest(self, views: list, n: int, buffers: Sequence, slots: Optional[list]) -> None:
-        """send(timeout=0): the kernel took ``n`` bytes of the frame; the rest stays with the
-        connection (later calls write it) with the slots it points into. Bytes of buffers
-        that are not our slots are copied now: the caller may reuse them once send returns."""
-        pool = self.send_pool
-        ours = [True, True] + [b.__class__ is Slot and b.pool is pool for b in buffers]
-        rest = []
-        for v, mine in zip(views, ours):
-            k = len(v) if v.__class__ is bytes else v.nbytes
-            if n >= k:
-                n -= k
-                continue
-            v = memoryview(v)[n:] if n else memoryview(v)
-            n = 0
-            rest.append(v if mine else memoryview(bytes(v)))
-        self._out = rest
-        self._out_slots = [s for s in slots if s.pool is pool] if slots else None
-
-    def _flush_out(self) -> bool:
-        """Write the bytes waiting in ``_out`` without blocking; True once none are left."""
-        out = self._out
-        if out is None:
-            return True
-        sock = self.sock
-        while True:
-            try:
-                n = sock.sendmsg(out[:_IOV_MAX], (), _DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                return False
-            except OSError as e:
-                self._to_peer_gone(f"send failed ({e.strerror or e})")
-                self._drop_out()
-                return False
-            _advance(out, n)
-            if not out:
-                self._drop_out()
-                return True
-            if not n:
-                return False
-
-    def _drop_out(self) -> None:
-        self._out = None
-        slots, self._out_slots = self._out_slots, None
-        if slots:
-            pool = self.send_pool
-            for s in slots:
-                pool.put(s)
-
-    def _wait_credits(self, end: float) -> None:
-        self.stats.credit_stalls += 1
-        while self._credits <= 0:
-            if self._state:
-                raise self._closed_error()
-            t = end - _monotonic()
-            if t <= 0:
-                raise Timeout("timed out waiting for credits (the peer holds every message)")
-            self._wait_readable(t)
-
-    def _write_rest(self, views: list, n: int, total: int, end: Optional[float],
-                    timeout: Optional[float]) -> None:
-        """The slow path of a frame write: ``n`` of ``total`` bytes of ``views`` went out
-        (bytes accepted earlier first, if any). Timeout if nothing of the frame could be
-        written in time (what was pending before stays pending); ConnectionClosed (and the
-        connection torn down) if only part of it."""
-        frame_start = 0
-        earlier_slots = None
-        if self._out is not None:  # nothing of ours was sent: the pending bytes go first
-            earlier = self._out
-            frame_start = sum(v.nbytes for v in earlier)
-            views = earlier + views
-            total += frame_start
-            earlier_slots = self._out_slots
-            self._out = self._out_slots = None
-        if end is None:
-            end = _monotonic() + (self.default_timeout if timeout is None else timeout)
-        sent = 0
-        views = [v if v.__class__ is memoryview else memoryview(v) for v in views]
-        sock = self.sock
-        while True:
-            sent += n
-            _advance(views, n)
-            if earlier_slots is not None and sent >= frame_start:
-                for s in earlier_slots:  # the earlier frame is all out: its slots are free
-                    self.send_pool.put(s)
-                earlier_slots = None
-            if not views:
-                return
-            t = end - _monotonic()
-            if t <= 0:
-                if sent <= frame_start:
-                    if sent < frame_start:  # the rest of the earlier bytes stays pending
-                        keep, left = [], frame_start - sent
-                        for v in views:
-                            if v.nbytes >= left:
-                                keep.append(v[:left])
-                                break
-                            keep.append(v)
-                            left -= v.nbytes
-                        self._out, self._out_slots = keep, earlier_slots
-                    raise Timeout("timed out sending (the peer is not reading)")
-                self._break()
-                raise ConnectionClosed(
-                    f"{self.url}: send timed out after {sent - frame_start} of {total - frame_start} bytes "
-                    "of the frame; a byte stream cannot be resynchronised, so the connection is closed")
-            # drain the peer while our socket is full: it may be blocked sending to us
-            self._read(_DONTWAIT)
-            if self._state:
-                if earlier_slots is not None:
-                    for s in earlier_slots:
-                        self.send_pool.put(s)
-                raise self._closed_error()
-            # then block in the kernel (as a plain sendall does) for a slice of the time
-            t = min(t, TCP_SEND_SLICE)
-            if not (t * 0.5 <= self._sndtimeo <= t):
-                self._sndtimeo = _set_timeo(sock, socket.SO_SNDTIMEO, t)
-            try:
-                n = sock.sendmsg(views[:_IOV_MAX])
-            except (BlockingIOError, InterruptedError):
-                n = 0
-            except OSError as e:
-                self._to_peer_gone(f"send failed ({e.strerror or e})")
-                raise self._closed_error() from None
-
-    def _send_control(self) -> None:
-        """Send owed credits (after any bytes still pending) without blocking."""
-        if self._state:
-            return
-        if self._out is not None and not self._flush_out():
-            return
-        owed = self._owed
-        if not owed:
-            return
-        frame = framing.frame_credit(owed)
-        self._owed = 0
-        try:
-            n = self.sock.send(frame, _DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            n = 0
-        except OSError as e:
-            self._to_peer_gone(f"send failed ({e.strerror or e})")
-            return
-        if n < _PREFIX_SIZE:
-            self._out = [memoryview(frame)[n:]]
 
     # -- lifecycle --------------------------------------------------------------------
     def fileno(self) -> int:
@@ -643,6 +374,7 @@ class StreamConnection(Connection):
     def _abort(self, why: str) -> None:
         """BROKEN at once (a protocol error: the peer's bytes are not worth keeping)."""
         self._to_broken(why)
+        self._close_link()
         self._inbox.clear()
         self._want = self._cur = None
         self._drop_out()
@@ -681,6 +413,7 @@ class StreamConnection(Connection):
                 except OSError:
                     pass
         self._to_closed()
+        self._close_link()
         self._inbox.clear()
         self._want = self._cur = None
         self._drop_out()
@@ -728,3 +461,11 @@ class StreamConnection(Connection):
             if int.from_bytes(outq, "little") == 0 or _monotonic() >= end:
                 return
             self._poll.poll(TCP_LINGER_POLL * 1000.0)
+
+
+if _tcpfast is not None:
+    _StreamMessage.release = _tcpfast.bind(_StreamMessage, Slot, StreamConnection, TransportError, Timeout,
+                                           BROKEN, framing._packer.pack, framing._unpackb, framing.TAG_DATA,
+                                           framing.TAG_CREDIT, framing.PAD_MIN)
+    StreamConnection.alloc, StreamConnection.send, StreamConnection.recv = \
+        _tcpfast.connection_methods(StreamConnection)
