@@ -72,7 +72,8 @@ def combine(pt: dict, trials: list[dict]) -> dict:
         med["tpot_p99_reliable"] = all(t["at_knee"]["tpot_p99_reliable"] for t in ok)
         med["stage_ms"] = {k: float(np.median([t["at_knee"]["stage_ms"].get(k, 0.0) for t in ok
                                                  if t["at_knee"].get("stage_ms")] or [0.0]))
-                           for k in ("queue", "route", "dispatch", "compute", "wait", "combine", "total", "no_token")}
+                           for k in ("queue", "route", "dispatch", "compute", "wait", "combine", "total", "no_token",
+                                     "own_cpu")}
         tps = [t["at_knee"]["tokens_per_s"] for t in ok]
         out["at_knee"] = med
         out["tokens_per_s_range"] = [min(tps), max(tps)]

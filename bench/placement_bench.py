@@ -243,16 +243,20 @@ def trial_summary(pt: dict, res: dict) -> dict:
 def gateway_share(rec: Optional[dict], step: dict) -> Optional[dict]:
     """The gateway's own part of a round at the knee step: route, dispatch (plan, gather and
     send), combine, and EPLB runs spread over the step's rounds; as ms per round and as a
-    share of the round's wall time."""
+    share of the round's wall time. ``share`` counts those stages' wall time, which includes
+    the time the gateway's thread was preempted (by workers sharing its cores);
+    ``cpu_share`` its CPU time in them (``own_cpu``), what the gateway itself costs."""
     if not rec or not rec.get("stage_ms") or not rec.get("rounds"):
         return None
     st = rec["stage_ms"]
     rebalance_ms = 1e3 * step.get("eplb_seconds", 0.0) / rec["rounds"]
     own = st.get("route", 0.0) + st.get("dispatch", 0.0) + st.get("combine", 0.0) + rebalance_ms
+    cpu = st["own_cpu"] + rebalance_ms if st.get("own_cpu") is not None else None
     total = st.get("total", 0.0)
     return {"route_ms": st.get("route"), "dispatch_ms": st.get("dispatch"), "combine_ms": st.get("combine"),
-            "rebalance_ms": rebalance_ms, "own_ms": own, "round_ms": total,
-            "share": own / total if total else None}
+            "rebalance_ms": rebalance_ms, "own_ms": own, "own_cpu_ms": cpu, "round_ms": total,
+            "share": own / total if total else None,
+            "cpu_share": cpu / total if total and cpu is not None else None}
 
 
 def combine_trials(pt: dict, trials: list[dict]) -> dict:
@@ -288,6 +292,7 @@ def combine_trials(pt: dict, trials: list[dict]) -> dict:
                       "unkept": sum(a.get("unkept", 0) for a in ans)} if ans else None
     gs = [t.get("gateway_share") for t in trials if t.get("gateway_share")]
     out["gateway_share"] = {k: med([g.get(k) for g in gs]) for k in ("route_ms", "dispatch_ms", "combine_ms",
-                                                                      "rebalance_ms", "own_ms", "round_ms", "share")
+                                                                      "rebalance_ms", "own_ms", "own_cpu_ms", "round_ms",
+                                                                      "share", "cpu_share")
                             } if gs else None
     return out

@@ -23,7 +23,7 @@ def combine_request(req: "Request", out: np.ndarray) -> np.ndarray:
     if req.error is not None:
         raise req.error
     rnd = req.round
-    t = time.perf_counter()
+    t, cpu0 = time.perf_counter(), time.thread_time()
     if req.acc is not None:  # a chunked round: summed as the chunks landed
         req.plan.finish(req.acc, out)
         req.drop_sum()
@@ -38,6 +38,7 @@ def combine_request(req: "Request", out: np.ndarray) -> np.ndarray:
                 outputs.append(rnd.replies[w][0][1][base:base + n])
         req.plan.combine(outputs, out, sums=rnd.sums)
     rnd.stats.combine_s += time.perf_counter() - t
+    rnd.stats.own_cpu_s += time.thread_time() - cpu0
     rnd.combined()
     return out
 
@@ -54,9 +55,10 @@ def start_sums(rnd: "Round", d_model: int, sums: "SumBuffers") -> None:
 def add_chunk(rnd: "Round", w_index: int, lo: int, hi: int, users: list, y: np.ndarray) -> None:
     """Add worker ``w_index``'s reply ``y`` (rows [lo, hi) of its part) into the sums of the
     requests ``users`` whose rows it holds."""
-    t = time.perf_counter()
+    t, cpu0 = time.perf_counter(), time.thread_time()
     for r in users:
         base = r.bases[w_index]
         a, b = max(lo, base), min(hi, base + r.plan.worker_tokens(w_index))
         r.plan.accumulate(w_index, a - base, b - base, y[a - lo:b - lo], r.acc)
     rnd.stats.combine_s += time.perf_counter() - t
+    rnd.stats.own_cpu_s += time.thread_time() - cpu0

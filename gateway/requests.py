@@ -56,6 +56,9 @@ class BatchStats:
     compute_total_s: float = 0.0
     wait_s: float = 0.0
     combine_s: float = 0.0
+    # the gateway thread's CPU time in route, dispatch and combine: the wall-clock stages also
+    # count the time it was preempted, by workers sharing its cores say
+    own_cpu_s: float = 0.0
     total_s: float = 0.0
     messages: int = 0  # messages sent (more than ``workers`` when parts went in chunks)
     busiest_s: float = 0.0  # the busiest worker's time handling this round's messages (its

@@ -127,6 +127,7 @@ class RoundBook:
     def _dispatch(self, requests: Sequence[Request]) -> Optional[Round]:
         live = []
         t = time.perf_counter()
+        cpu0 = time.thread_time()
         route_s = 0.0
         for req in requests:
             req.attempts += 1
@@ -158,6 +159,7 @@ class RoundBook:
         self._send(rnd)
         start_sums(rnd, self.d_model, self.sums)
         rnd.stats.dispatch_s = time.perf_counter() - t
+        rnd.stats.own_cpu_s += time.thread_time() - cpu0
         rnd.sent_at = time.perf_counter()
         if self.chunk_rows == "auto" and self.costs.chunk_mode.may_chunk(rnd.alone):
             self.costs.prepare_next(rnd)  # the next round's chunk sizes, while the workers compute

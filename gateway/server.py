@@ -69,7 +69,7 @@ class GatewayStats:
     clients_open: int = 0
     errors: dict = field(default_factory=dict)
     stage_seconds: dict = field(default_factory=lambda: {k: 0.0 for k in (
-        "queue", "route", "dispatch", "compute", "wait", "combine", "total", "no_token")})
+        "queue", "route", "dispatch", "compute", "wait", "combine", "total", "no_token", "own_cpu")})
     messages: int = 0  # messages to workers (more than a round's workers when parts go in chunks)
 
     def error(self, code: str) -> None:
@@ -88,6 +88,7 @@ class GatewayStats:
         s["compute"] += st.compute_s
         s["wait"] += st.wait_s
         s["combine"] += st.combine_s
+        s["own_cpu"] += st.own_cpu_s
         s["total"] += st.total_s
         # the busiest worker's time in the round with no token to compute (its own clocks):
         # what pipelined rounds could hide

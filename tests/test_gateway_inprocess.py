@@ -96,6 +96,10 @@ def test_more_chunks_than_credits_all_arrive():
         rows = 2 * sum(20 + seed for seed in range(3))
         assert g["messages"] >= rows  # the gateway counts what it sent: a message a row
         assert 0 <= g["stage_seconds"]["no_token"] <= g["stage_seconds"]["total"]
+        # the gateway's CPU time in its own stages: counted, and never more than their wall
+        # time (give or take the bookkeeping between route and dispatch)
+        sts = g["stage_seconds"]
+        assert 0 < sts["own_cpu"] <= sts["route"] + sts["dispatch"] + sts["combine"] + 1e-3 * g["rounds"]
         st = s.pool.stats()
         assert all(w["healthy"] for w in st)  # waiting for credits is not a failure
         assert sum(w["batches_sent"] for w in st) >= 2 * sum(20 + seed for seed in range(3))  # a message a row

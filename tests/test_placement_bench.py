@@ -199,22 +199,28 @@ def test_one_run_is_analysed_from_its_timeline_and_requests():
     assert r["steps"][0]["balancedness_mean"] == 0.9 and r["steps"][0]["eplb_seconds"] == pytest.approx(0.002)
     assert r["steps"][-1]["balancedness_mean"] is None  # no sample within the warm-up's requests
     assert r["eplb_runs"]["n"] == 1 and "drift" not in r
-    share = PB.gateway_share({"stage_ms": {"route": 0.1, "dispatch": 0.2, "combine": 0.1, "total": 5.0},
-                              "rounds": 100}, r["steps"][0])
+    share = PB.gateway_share({"stage_ms": {"route": 0.1, "dispatch": 0.2, "combine": 0.1, "total": 5.0,
+                                           "own_cpu": 0.25}, "rounds": 100}, r["steps"][0])
     assert share["rebalance_ms"] == pytest.approx(0.02) and share["share"] == pytest.approx(0.42 / 5.0)
+    assert share["own_cpu_ms"] == pytest.approx(0.27) and share["cpu_share"] == pytest.approx(0.27 / 5.0)
+    old = PB.gateway_share({"stage_ms": {"route": 0.1, "dispatch": 0.2, "combine": 0.1, "total": 5.0},
+                            "rounds": 100}, r["steps"][0])  # a gateway that does not count its CPU time
+    assert old["cpu_share"] is None and old["share"] == pytest.approx(0.42 / 5.0)
 
 
 # -- verdicts ----------------------------------------------------------------------------------------
-def _point(scenario, arm, tps, *, mark="", failed=0, wrong=0, during=(0, None), share=None, drift=None):
+def _point(scenario, arm, tps, *, mark="", failed=0, wrong=0, during=(0, None), share=None, cpu_share=None,
+           drift=None):
     return {"scenario": scenario, "value": arm, "label": f"{arm} / {scenario}", "mark": mark,
             "at_knee": {"tokens_per_s": tps}, "answers": {"checked": 10, "wrong": wrong},
-            "gateway_share": {"share": share} if share is not None else None,
+            "gateway_share": {"share": share, "cpu_share": cpu_share} if share is not None else None,
             "placement": {"failed": failed, "during_moves_n": during[0], "during_over_steady": during[1],
                           "drift_back": drift}}
 
 
 def test_verdicts_follow_the_targets():
     pts = [_point("uniform", "eplb", 1000), _point("zipf", "static", 600), _point("zipf", "eplb", 950, share=0.05),
+           _point("deepseek", "eplb", 500, share=0.3, cpu_share=0.08),
            _point("hot", "static", 700, failed=1), _point("hot", "eplb", 850, mark=">=", during=(3, 1.7), wrong=2),
            _point("drift", "eplb", 900, drift=[3, 4])]
     v = {x["target"]: x for x in PR.verdicts(pts)}
@@ -226,7 +232,10 @@ def test_verdicts_follow_the_targets():
     assert not v["static / hot: failed requests 0"]["met"] and v["static / zipf: failed requests 0"]["met"]
     assert not v["eplb / hot: wrong answers 0 (of 10 checked)"]["met"]
     assert not v["eplb / hot: p99 TPOT during moves vs steady (3 requests during moves)"]["met"]
-    assert v["eplb / zipf: the gateway's own share of a round at the knee"]["met"]
+    assert v["eplb / zipf: the gateway's own share of a round at the knee (wall time of its stages)"]["met"]
+    assert "eplb / zipf: the gateway's own share of a round at the knee (its CPU time in them)" not in v
+    assert not v["eplb / deepseek: the gateway's own share of a round at the knee (wall time of its stages)"]["met"]
+    assert v["eplb / deepseek: the gateway's own share of a round at the knee (its CPU time in them)"]["met"]
     assert "eplb / uniform: p99 TPOT during moves vs steady (0 requests during moves)" not in v  # none: no verdict
 
 
