@@ -79,6 +79,7 @@ class Cluster:
                     "--connect-timeout", "30"]
         gw_flags += chaos_eplb.gateway_flags(args)
         gw_listen = "tcp://127.0.0.1:0" if backend == "tcp" else f"shm://moe-chaos-{tag}-gw"
+        gw_flags += ["--exit-with-parent"]  # a chaos run killed mid-way leaves no gateway behind
         try:
             if kind == "external":
                 for i in range(2):

@@ -103,7 +103,8 @@ class MoeTransport(System):
                 "--backend", backend, "--n-experts", str(n_experts), "--top-k", str(top_k),
                 "--d-model", str(d_model), "--d-ff", str(d_ff), "--seed", str(seed),
                 "--max-batch-tokens", str(max_batch_tokens), "--max-wait", repr(max_wait_ms / 1e3),
-                "--max-inflight-rounds", str(max_inflight_rounds), "--dtype", dtype]
+                "--max-inflight-rounds", str(max_inflight_rounds), "--dtype", dtype,
+                "--exit-with-parent"]  # a benchmark killed mid-run leaves no gateway behind
         if capacity_factor:
             argv += ["--capacity-factor", str(capacity_factor)]
         argv += list(extra)

@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--blas-threads", type=options.positive, default=1,
                      help="the gateway's own BLAS threads (its gate matmul)")
     options.alias(srv, "--threads", "--blas-threads", type=options.positive)
+    srv.add_argument("--exit-with-parent", action="store_true",
+                     help="drain and exit when the parent process dies (a gateway a tool started)")
     options.add_security(srv, service=True)
     placement_cli.add_flags(p)
     options.add_common(p, PROG)
@@ -260,12 +262,15 @@ def serve_main(args) -> int:
     options.setup_logging(args.log_level, PROG)
     from threadpoolctl import threadpool_limits
 
-    from gateway.server import install_signal_handlers
+    from gateway.server import install_signal_handlers, stop_with_parent
 
+    parent = os.getppid()
     limits = threadpool_limits(limits=args.blas_threads)  # noqa: F841 (kept for the process's life)
     options.raise_fd_limit()
     server = start(args)
     try:
+        if args.exit_with_parent:
+            stop_with_parent(server, parent)
         if args.metrics_port is not None:
             from gateway.metrics import GatewayMetrics
             from transport.service.metrics import serve

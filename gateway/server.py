@@ -376,6 +376,23 @@ class GatewayServer:
             self.on_request(time.perf_counter() - req.arrived, True)
 
 
+def stop_with_parent(server: GatewayServer, parent: int, period: float = 0.5) -> None:
+    """Drain and stop ``server`` once the process ``parent`` is gone (this one re-parented):
+    a tool killed mid-run leaves no gateway, and so no local workers, behind."""
+    due = 0.0
+
+    def tick(now: float) -> float:
+        nonlocal due
+        if now >= due:
+            due = now + period
+            if os.getppid() != parent and not server.draining:
+                log.warning("parent %d is gone: stopping", parent)
+                server.request_stop()
+        return due
+
+    server.loop.add_tick(tick)
+
+
 def install_signal_handlers(server: GatewayServer) -> None:
     import signal
 
